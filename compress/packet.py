@@ -1,0 +1,269 @@
+"""Packets: what a codec puts on the wire, and their byte format.
+
+A `Packet` is the tensors (parts) a codec's encode produced plus what is needed to decode them:
+which codec (by id), its level, the input's numel and dtype, and the RandomKey the randomness came
+from. `to_wire` turns it into one uint8 tensor, `from_wire` back; the format is
+
+    header (120 bytes, little-endian; see _HEADER)
+    payload: the parts' bytes, each padded to 8 bytes, optionally zstd-compressed
+
+The header carries a format version, the codec id, its levels, numel, dtype, the RandomKey, the
+size of every part, the payload size, and a CRC32 of header and payload. `from_wire` checks every
+one of these against the codec it is told to expect and raises `PacketError` on any mismatch,
+so a corrupt, truncated, foreign or wrong-version packet is never summed into a gradient.
+
+Without zstd the wire size is fixed by (codec, numel, level, dtype): `wire_nbytes` gives it before
+encoding, which is what fixed-size collectives and the controller plan with. The zstd stage
+(zstandard) is kept only where it makes the bytes smaller, so its size is known after encoding.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .rng import RandomKey
+
+if TYPE_CHECKING:
+    from .codecs import Codec
+
+FORMAT_VERSION = 1
+MAX_LEVELS = 4
+MAX_PARTS = 8
+ALIGN = 8
+
+_MAGIC = b"CTPK"
+_HEADER = struct.Struct(
+    "<4s"  # magic
+    "B"  # format version
+    "B"  # flags (bit 0: payload is zstd-compressed)
+    "B"  # input dtype code
+    "B"  # number of levels used
+    "I"  # codec id
+    "Q"  # numel
+    "Q"  # seed
+    "Q"  # step
+    "I"  # bucket
+    "I"  # sending rank
+    f"{MAX_LEVELS}d"  # levels
+    "I"  # number of parts
+    f"{MAX_PARTS}I"  # byte size of each part (unpadded)
+    "I"  # payload bytes that follow the header
+    "I"  # CRC32 of the header before this field and of the payload
+)
+HEADER_NBYTES = _HEADER.size
+_FLAG_ZSTD = 1
+
+_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+
+Layout = tuple[tuple[torch.dtype, int], ...]
+"""The parts of a packet: (dtype, number of elements) each, fixed by codec, numel and level."""
+
+
+class PacketError(ValueError):
+    """A packet that must not be decoded: corrupt, truncated, foreign or of another version."""
+
+
+@dataclass(frozen=True)
+class Packet:
+    """A codec's output. `parts` travel; codec, level, numel, dtype and key describe them."""
+
+    codec: Codec
+    level: object
+    numel: int
+    dtype: torch.dtype
+    key: RandomKey
+    parts: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes (parts padded to 8), excluding the header."""
+        return sum(_padded(p.numel() * p.element_size()) for p in self.parts)
+
+
+def _padded(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def layout_nbytes(layout: Layout) -> int:
+    return sum(_padded(count * dtype.itemsize) for dtype, count in layout)
+
+
+def wire_nbytes(layout: Layout) -> int:
+    """Exact wire size of a packet with this layout, without the zstd stage."""
+    return HEADER_NBYTES + layout_nbytes(layout)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    if dtype not in _DTYPE_CODES:
+        raise TypeError(f"dtype {dtype} has no wire code; use one of {list(_DTYPE_CODES)}")
+    return _DTYPE_CODES[dtype]
+
+
+def _crc(header: bytes, payload: torch.Tensor) -> int:
+    return zlib.crc32(payload.numpy().data, zlib.crc32(header[:-4]))
+
+
+def to_wire(packet: Packet, zstd_level: int | None = None) -> torch.Tensor:
+    """Packet -> uint8 tensor (header + payload). With zstd_level set, the payload is
+    zstd-compressed if (and only if) that makes it smaller."""
+    levels = packet.codec.level_floats(packet.level)
+    if len(packet.parts) > MAX_PARTS or len(levels) > MAX_LEVELS:
+        raise ValueError(f"a packet holds at most {MAX_PARTS} parts and {MAX_LEVELS} levels")
+    raw_sizes = [p.numel() * p.element_size() for p in packet.parts]
+    payload = torch.zeros(sum(_padded(s) for s in raw_sizes), dtype=torch.uint8)
+    offset = 0
+    for part, size in zip(packet.parts, raw_sizes, strict=True):
+        payload[offset : offset + size] = (
+            part.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        )
+        offset += _padded(size)
+    flags = 0
+    if zstd_level is not None and payload.numel() > 0:
+        import zstandard
+
+        packed = zstandard.ZstdCompressor(level=zstd_level).compress(payload.numpy().data)
+        if len(packed) < payload.numel():
+            payload = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+            flags |= _FLAG_ZSTD
+    fields = (
+        _MAGIC,
+        FORMAT_VERSION,
+        flags,
+        dtype_code(packet.dtype),
+        len(levels),
+        packet.codec.id,
+        packet.numel,
+        packet.key.seed,
+        packet.key.step,
+        packet.key.bucket,
+        packet.key.rank,
+        *levels,
+        *([0.0] * (MAX_LEVELS - len(levels))),
+        len(raw_sizes),
+        *raw_sizes,
+        *([0] * (MAX_PARTS - len(raw_sizes))),
+        payload.numel(),
+    )
+    header = _HEADER.pack(*fields, 0)
+    header = _HEADER.pack(*fields, _crc(header, payload))
+    out = torch.empty(HEADER_NBYTES + payload.numel(), dtype=torch.uint8)
+    out[:HEADER_NBYTES] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    out[HEADER_NBYTES:] = payload
+    return out
+
+
+def _as_bytes_tensor(buf: torch.Tensor | bytes | bytearray | memoryview) -> torch.Tensor:
+    if isinstance(buf, torch.Tensor):
+        if buf.dtype != torch.uint8 or buf.dim() != 1:
+            raise PacketError(
+                f"a packet is a 1-D uint8 tensor, got {buf.dtype} of shape {tuple(buf.shape)}"
+            )
+        return buf.cpu().contiguous()
+    if isinstance(buf, (bytes, bytearray, memoryview)):
+        return (
+            torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+            if len(buf)
+            else torch.empty(0, dtype=torch.uint8)
+        )
+    raise PacketError(f"a packet is bytes or a uint8 tensor, got {type(buf).__name__}")
+
+
+def read_header(buf: torch.Tensor | bytes | bytearray | memoryview) -> dict:
+    """Parse and check the header (magic, version, sizes, CRC) without knowing the codec."""
+    data = _as_bytes_tensor(buf)
+    if data.numel() < HEADER_NBYTES:
+        raise PacketError(
+            f"truncated packet: {data.numel()} bytes, a header alone is {HEADER_NBYTES}"
+        )
+    header = data[:HEADER_NBYTES].numpy().tobytes()
+    fields = _HEADER.unpack(header)
+    magic, version, flags, dtype_c, nlevels, codec_id, numel, seed, step, bucket, rank = fields[:11]
+    levels = fields[11 : 11 + MAX_LEVELS]
+    nparts = fields[11 + MAX_LEVELS]
+    sizes = fields[12 + MAX_LEVELS : 12 + MAX_LEVELS + MAX_PARTS]
+    payload_len, crc = fields[-2:]
+    if magic != _MAGIC:
+        raise PacketError(f"not a cloudtrain packet (magic {magic!r}, expected {_MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise PacketError(
+            f"packet format version {version}, this cloudtrain reads version {FORMAT_VERSION}; "
+            "all ranks must run the same cloudtrain release"
+        )
+    if data.numel() != HEADER_NBYTES + payload_len:
+        raise PacketError(
+            f"truncated or overlong packet: {data.numel()} bytes, the header says {HEADER_NBYTES + payload_len}"
+        )
+    payload = data[HEADER_NBYTES:]
+    if _crc(header, payload) != crc:
+        raise PacketError("packet checksum mismatch: the bytes were corrupted on the way")
+    if (
+        nlevels > MAX_LEVELS
+        or nparts > MAX_PARTS
+        or dtype_c not in _CODE_DTYPES
+        or flags & ~_FLAG_ZSTD
+    ):
+        raise PacketError("malformed packet header")
+    return {
+        "zstd": bool(flags & _FLAG_ZSTD),
+        "dtype": _CODE_DTYPES[dtype_c],
+        "codec_id": codec_id,
+        "numel": numel,
+        "key": RandomKey(seed, step, bucket, rank),
+        "level": tuple(levels[:nlevels]),
+        "part_sizes": tuple(sizes[:nparts]),
+        "payload": payload,
+    }
+
+
+def from_wire(buf: torch.Tensor | bytes | bytearray | memoryview, codec: Codec) -> Packet:
+    """uint8 tensor or bytes -> Packet, checked against the codec the receiver expects.
+
+    Raises PacketError for a corrupt, truncated or wrong-version packet, one from another codec,
+    or one whose part sizes do not match what the codec lays out for its numel and level.
+    """
+    h = read_header(buf)
+    if h["codec_id"] != codec.id:
+        raise PacketError(
+            f"packet is from codec id {h['codec_id']:#010x}, expected {codec.name!r} ({codec.id:#010x}); "
+            "ranks disagree on the compression config"
+        )
+    try:
+        level = codec.level_from_floats(h["level"])
+        layout = codec.layout(h["numel"], level, h["dtype"])
+    except (ValueError, TypeError) as e:
+        raise PacketError(f"packet header does not fit codec {codec.name!r}: {e}") from e
+    expected = tuple(count * dtype.itemsize for dtype, count in layout)
+    if expected != h["part_sizes"]:
+        raise PacketError(
+            f"packet part sizes {h['part_sizes']} do not match codec {codec.name!r}: {expected}"
+        )
+    payload = h["payload"]
+    raw_len = layout_nbytes(layout)
+    if h["zstd"]:
+        import zstandard
+
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(
+                payload.numpy().tobytes(), max_output_size=raw_len
+            )
+        except zstandard.ZstdError as e:
+            raise PacketError(f"zstd payload does not decompress: {e}") from e
+        payload = (
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            if raw
+            else torch.empty(0, dtype=torch.uint8)
+        )
+    if payload.numel() != raw_len:
+        raise PacketError(f"payload is {payload.numel()} bytes, the layout needs {raw_len}")
+    parts, offset = [], 0
+    for dtype, count in layout:
+        size = count * dtype.itemsize
+        parts.append(payload[offset : offset + size].view(dtype))
+        offset += _padded(size)
+    return Packet(codec, level, h["numel"], h["dtype"], h["key"], tuple(parts))
