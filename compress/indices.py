@@ -9,8 +9,7 @@ controller plans packet sizes, and fixed-size packets need it):
   A data-dependent varint coding of the gaps would be about as small on average, but its size is
   only known after encoding, which fixed-size collectives cannot use.
 - bitmap: one bit per element; the smallest above roughly 25% density.
-- u32: 32-bit little-endian indices; never smaller than Elias-Fano below 2**32 elements, kept for
-  completeness and as the plain layout for tests and tools.
+- u32: 32-bit little-endian indices (n <= 2**31); smallest only for a few indices into a huge range.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ def _nbytes(coding: IndexCoding, n: int, k: int) -> int:
 def choose_coding(n: int, k: int) -> IndexCoding:
     """The smallest coding for k of n indices (ties: the order of IndexCoding)."""
     candidates = [IndexCoding.ELIAS_FANO, IndexCoding.BITMAP]
-    if n <= 2**32:
+    if n <= 2**31:  # int32 on the wire
         candidates.append(IndexCoding.U32)
     return min(candidates, key=lambda c: _nbytes(c, n, k))
 
