@@ -1,0 +1,343 @@
+"""The local WAN emulator (cloudtrain.netem): real namespaces, real tbf, real TCP and gloo.
+
+Tests that build emulators need root and usable `ip netns`; without them they skip with the
+reason. Each emulator gets a name unique to this run and is torn down by a fixture finalizer,
+also when the test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from cloudtrain import netem
+from cloudtrain.netem import Emulator, WanSpec, link_profile, parse_mbit, parse_regions, teardown
+
+pytestmark = pytest.mark.timeout(120)
+
+AVAILABLE, WHY = netem.available()
+needs_root = pytest.mark.skipif(not AVAILABLE, reason=f"WAN emulator unavailable: {WHY}")
+PY = sys.executable
+CLI = [PY, "-m", "cloudtrain.cli", "netem"]
+
+
+@pytest.fixture
+def unique_name(request):
+    """A fresh emulator name per call; everything under it is removed at the end of the test."""
+    names = []
+
+    def make() -> str:
+        names.append(f"t{os.getpid() % 100000}-{uuid.uuid4().hex[:6]}")
+        return names[-1]
+
+    def cleanup() -> None:
+        for name in names:
+            teardown(name)
+
+    request.addfinalizer(cleanup)
+    return make
+
+
+def our_namespaces(name: str) -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if f"-{name}-" in line}
+
+
+def root_links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return {line.split(":")[1].strip() for line in out.splitlines()}
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def in_rank(wan: Emulator, rank: int, code: str, *args: str) -> str:
+    proc = wan.popen(rank, [PY, "-c", code, *args], stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    return out
+
+
+# --- no root needed -----------------------------------------------------------------------
+
+
+def test_profiles_and_parsing():
+    assert link_profile("us-eu") == netem.LinkProfile(210, 103)
+    assert link_profile("eu-asia") == netem.LinkProfile(76, 253)
+    assert link_profile("intra-zone") == netem.LinkProfile(5000, 0.2)
+    assert link_profile("500mbit") == netem.LinkProfile(500, 0)
+    assert link_profile("42mbit") == netem.LinkProfile(42, 0)
+    assert link_profile("2gbit") == netem.LinkProfile(2000, 0)
+    with pytest.raises(ValueError, match="unknown link profile"):
+        link_profile("us-mars")
+    assert parse_regions("us:2,eu:1") == {"us": 2, "eu": 1}
+    assert list(parse_regions("eu:1,us:2")) == ["eu", "us"]  # order numbers the ranks
+    with pytest.raises(ValueError, match="REGION:RANKS"):
+        parse_regions("us=2")
+    assert parse_mbit("100", ["us", "eu"]) == {"us": 100.0, "eu": 100.0}
+    assert parse_mbit("us=1000,eu=50", ["us", "eu"]) == {"us": 1000.0, "eu": 50.0}
+
+
+def test_bad_config_is_rejected_with_a_fix():
+    with pytest.raises(ValueError, match="one per region"):
+        WanSpec({"us": 1, "eu": 1}, {"us": 100.0})
+    with pytest.raises(ValueError, match="positive"):
+        WanSpec({"us": 1}, {"us": 0.0})
+    with pytest.raises(ValueError, match="bad name"):
+        WanSpec({"us": 1}, {"us": 1.0}, name="Has Space")
+    with pytest.raises(ValueError, match="ranks must be"):
+        WanSpec({"us": 0}, {"us": 1.0})
+
+
+def test_addresses_are_deterministic_and_ranks_go_region_by_region():
+    wan = Emulator({"us": 2, "eu": 3}, {"us": 1000, "eu": 50}, name="layout")
+    assert [wan.region(r) for r in range(5)] == ["us", "us", "eu", "eu", "eu"]
+    assert [wan.address(r) for r in (0, 1, 2, 4)] == [
+        "10.77.0.1",
+        "10.77.0.2",
+        "10.77.1.1",
+        "10.77.1.3",
+    ]
+    assert wan.namespace(3) == "ct-layout-r3" and wan.ranks("eu") == [2, 3, 4]
+    env = wan.env(3, {"RANK": "3"})
+    assert env["GLOO_SOCKET_IFNAME"] == "eth0" and env["MASTER_ADDR"] == "10.77.0.1"
+    assert env["CLOUDTRAIN_REGION"] == "eu" and env["RANK"] == "3"
+
+
+def test_tbf_bucket_holds_a_gso_packet_and_queue_a_bdp():
+    p = netem.tbf_params(100)
+    assert p["rate"] == 100_000_000 and p["burst"] >= 64 * 1024
+    assert p["limit"] >= p["burst"] + 100e6 / 8 * 0.020
+    assert netem.tbf_params(100, rtt_ms=200)["limit"] >= 100e6 / 8 * 0.2
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root+setpriv")
+def test_without_root_the_cli_says_root_is_needed():
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    if subprocess.run([*drop, PY, "-c", "import cloudtrain.netem"]).returncode != 0:
+        pytest.skip("user nobody cannot import cloudtrain from this checkout")
+    proc = subprocess.run([*drop, *CLI, "status"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "needs root" in proc.stderr, proc.stderr
+
+
+# --- real namespaces ----------------------------------------------------------------------
+
+
+@needs_root
+def test_up_down_leaves_nothing_and_never_touches_the_root_namespace(unique_name):
+    name = unique_name()
+    links_before = root_links()
+    with Emulator({"us": 2, "eu": 2}, 100, name=name) as wan:
+        assert our_namespaces(name) == {f"ct-{name}-wan", *map(wan.namespace, range(4))}
+        assert Path(f"/run/cloudtrain-netem/{name}.json").exists()
+        assert root_links() == links_before
+        assert wan.emulation == "rate only"
+    assert our_namespaces(name) == set()
+    assert not Path(f"/run/cloudtrain-netem/{name}.json").exists()
+    assert root_links() == links_before
+
+
+@needs_root
+def test_every_rank_reaches_every_address_and_its_loopback(unique_name):
+    # A refused connection proves the address answered; a timeout or "unreachable" would not.
+    probe = """
+import socket, sys
+for host in sys.argv[1:]:
+    s = socket.socket()
+    s.settimeout(3)
+    try:
+        s.connect((host, 9))
+    except ConnectionRefusedError:
+        continue
+    raise SystemExit(f"{host} did not answer")
+import fcntl, struct
+req = struct.pack("256s", b"eth0")
+print(socket.inet_ntoa(fcntl.ioctl(socket.socket(), 0x8915, req)[20:24]))
+"""
+    with Emulator({"us": 2, "eu": 1, "asia": 1}, 100, name=unique_name()) as wan:
+        everyone = [wan.address(r) for r in range(wan.world_size)]
+        for rank in range(wan.world_size):
+            assert in_rank(wan, rank, probe, "127.0.0.1", *everyone).strip() == wan.address(rank)
+
+
+@needs_root
+def test_shaped_link_runs_at_its_rate_and_intra_region_runs_free(unique_name):
+    with Emulator({"us": 2, "eu": 1}, 100, name=unique_name()) as wan:
+        before = wan.counters()
+        wan_mbit = wan.measure_mbit(0, 2, seconds=1.0)
+        after = wan.counters()
+        intra_mbit = wan.measure_mbit(0, 1, seconds=0.5)
+        after_intra = wan.counters()
+    print(f"across 100 Mbit/s: {wan_mbit:.1f} Mbit/s; inside a region: {intra_mbit:.0f} Mbit/s")
+    assert 85 <= wan_mbit <= 101, wan_mbit
+    assert intra_mbit > 5 * 100, intra_mbit
+    # At least the payload that arrived crossed us's uplink and eu's downlink.
+    payload = wan_mbit * 1e6 / 8 * 1.0 * 0.9
+    assert after["us"]["tx_bytes"] - before["us"]["tx_bytes"] >= payload
+    assert after["eu"]["rx_bytes"] - before["eu"]["rx_bytes"] >= payload
+    # Traffic inside a region does not touch the WAN link.
+    assert after_intra["us"]["tx_bytes"] - after["us"]["tx_bytes"] < 1e6
+
+
+@needs_root
+def test_slow_region_is_the_bottleneck_and_set_rate_acts_live(unique_name):
+    with Emulator({"us": 1, "eu": 1}, {"us": 1000, "eu": 100}, name=unique_name()) as wan:
+        uplink = wan.measure_mbit(1, 0, seconds=0.8)  # eu sender: its 100 Mbit/s uplink
+        wan.set_rate("eu", 25)
+        downlink = wan.measure_mbit(0, 1, seconds=0.8)  # into eu: its 25 Mbit/s downlink
+        assert wan.mbit == {"us": 1000.0, "eu": 25.0}
+        assert Emulator.attach(wan.name).mbit == wan.mbit  # the state file follows
+    print(f"eu uplink at 100: {uplink:.1f} Mbit/s; eu downlink after set_rate 25: {downlink:.1f}")
+    assert 85 <= uplink <= 101, uplink
+    assert 21 <= downlink <= 25.5, downlink
+
+
+@needs_root
+def test_delay_is_applied_exactly_where_the_kernel_has_netem(unique_name):
+    echo = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+times = []
+for _ in range(5):
+    t = time.monotonic(); s.sendall(b"x"); s.recv(1); times.append(time.monotonic() - t)
+print(min(times) * 1000)
+"""
+    server = """
+import socket, sys
+srv = socket.create_server((sys.argv[1], 7000)); print("ready", flush=True)
+c, _ = srv.accept()
+while b := c.recv(1): c.sendall(b)
+"""
+    with Emulator({"us": 1, "eu": 1}, 100, rtt_ms=40, name=unique_name()) as wan:
+        if wan.emulation == "rate only":
+            assert "NOT emulated" in wan.emulation_note
+            pytest.skip(f"rate only here: {wan.emulation_note}")
+        assert wan.emulation == "rate and delay"
+        srv = wan.popen(1, [PY, "-c", server, wan.address(1)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert srv.stdout.readline().strip() == "ready"
+            rtt = float(in_rank(wan, 0, echo, wan.address(1), "7000"))
+        finally:
+            srv.kill()
+            srv.wait()
+        assert 38 <= rtt <= 60, rtt
+        assert 80 <= wan.measure_mbit(0, 1, seconds=1.5) <= 101
+
+
+@needs_root
+def test_gloo_all_reduce_across_two_regions(unique_name):
+    worker = """
+import os, sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:29500",
+                        rank=rank, world_size=2, timeout=timedelta(seconds=60))
+x = torch.full((1 << 20,), float(rank + 1))  # 4 MiB
+dist.all_reduce(x)
+assert bool((x == 3).all()), x[:4]
+print("ok", os.environ["CLOUDTRAIN_REGION"])
+"""
+    with Emulator({"us": 1, "eu": 1}, 100, name=unique_name()) as wan:
+        before = wan.counters()
+        procs = [
+            wan.popen(r, [PY, "-c", worker, str(r)], stdout=subprocess.PIPE, text=True)
+            for r in (0, 1)
+        ]
+        try:
+            outs = [p.communicate(timeout=90)[0].strip() for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        after = wan.counters()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs == ["ok us", "ok eu"]
+    assert after["us"]["tx_bytes"] - before["us"]["tx_bytes"] >= 2 << 20  # it crossed the WAN
+
+
+CRASHING_CHILD = """
+import sys, time
+from cloudtrain.netem import Emulator
+wan = Emulator({"us": 1, "eu": 1}, 100, name=sys.argv[1]).up()
+print(wan.popen(0, ["sleep", "60"]).pid, flush=True)
+time.sleep(60)
+"""
+
+
+def start_child(name: str) -> tuple[subprocess.Popen, int]:
+    child = subprocess.Popen([PY, "-c", CRASHING_CHILD, name], stdout=subprocess.PIPE, text=True)
+    sleeper = int(child.stdout.readline())
+    return child, sleeper
+
+
+@needs_root
+@pytest.mark.parametrize("state_file", ["kept", "lost"])
+def test_down_cleans_up_after_sigkill(unique_name, state_file):
+    name = unique_name()
+    links_before = root_links()
+    child, sleeper = start_child(name)
+    child.kill()
+    child.wait()
+    assert len(our_namespaces(name)) == 3 and not gone(sleeper)  # the crash left it all behind
+    if state_file == "lost":
+        Path(f"/run/cloudtrain-netem/{name}.json").unlink()
+    proc = subprocess.run([*CLI, "down", "--name", name], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"ct-{name}-wan" in proc.stdout
+    assert our_namespaces(name) == set()
+    assert not Path(f"/run/cloudtrain-netem/{name}.json").exists()
+    assert root_links() == links_before
+    deadline = time.monotonic() + 5
+    while not gone(sleeper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(sleeper)
+
+
+@needs_root
+def test_sigterm_cleans_up(unique_name):
+    name = unique_name()
+    child, sleeper = start_child(name)
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == 128 + signal.SIGTERM
+    assert our_namespaces(name) == set()
+    assert not Path(f"/run/cloudtrain-netem/{name}.json").exists()
+    assert gone(sleeper)
+
+
+@needs_root
+def test_cli_up_status_rate_exec_down(unique_name):
+    name = unique_name()
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60)
+
+    up = cli("up", "--regions", "us:2,eu:1", "--profile", "us-eu", "--name", name)
+    assert up.returncode == 0, up.stderr
+    again = cli("up", "--regions", "us:1", "--mbit", "5", "--name", name)
+    assert again.returncode == 1 and "exists already" in again.stderr
+    assert cli("rate", "--region", "eu", "--mbit", "50", "--name", name).returncode == 0
+    status = json.loads(cli("status", "--name", name, "--json").stdout)
+    (emu,) = status["emulators"]
+    assert emu["emulation"] in ("rate only", "rate and delay") and emu["rtt_ms"] == 103
+    assert {r: v["mbit"] for r, v in emu["regions"].items()} == {"us": 210.0, "eu": 50.0}
+    assert emu["regions"]["eu"]["addresses"] == ["10.77.1.1"]
+    assert set(emu["counters"]) == {"us", "eu"}
+    ex = cli("exec", "2", "--name", name, "--", "sh", "-c", "echo $GLOO_SOCKET_IFNAME $MASTER_ADDR")
+    assert ex.stdout.split() == ["eth0", "10.77.0.1"], ex.stderr
+    down = cli("down", "--name", name)
+    assert down.returncode == 0 and our_namespaces(name) == set()
