@@ -15,6 +15,9 @@ from . import __version__
 
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module, one-line help)
+    "hosts": ("cloudtrain.hosts", "cluster hosts as a horovodrun -H string and each one's region"),
+    "launch": ("cloudtrain.launch", "run a training command on the cluster with horovodrun --gloo"),
+    "netem": ("cloudtrain.netem", "local WAN emulator: a namespace per rank, tbf-shaped regions"),
 }
 
 

@@ -1,0 +1,128 @@
+"""Which rank is in which region, and the process groups CloudDDP reduces a bucket over.
+
+Regions come from CompressionConfig.regions: "env" (CLOUDTRAIN_REGION, else the host's region from
+`cloudtrain launch`'s CLOUDTRAIN_HOST_REGIONS, else everyone in region "default"), "per-rank", or
+an explicit name per rank. Every rank learns every other rank's region with one all_gather.
+
+Regions are ordered by name; inside a region ranks are ordered by rank, and a rank's position
+there is its local index. With S = the size of the smallest region, a bucket is cut into S shards:
+the rank of local index j in each region owns shard j and exchanges it (compressed) with the
+owners of shard j in the other regions - S parallel flows per region pair, which also sidesteps
+the per-flow TCP window cap of long paths. Ranks with local index >= S (in larger regions) own
+no shard and receive the results from their region.
+
+Groups (every rank creates every group, in the same order, as torch.distributed requires):
+- `dense`: all ranks, the job's backend - the single-region all-reduce;
+- `control`: all ranks, gloo - plans, fingerprints, replica checks;
+- `region[r]`: the ranks of region r, the job's backend - dense reduce-scatter / all-gather;
+- `cross[j]`: the owners of shard j, one per region, gloo - compressed packets (CPU bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .config import CompressionConfig
+from .hosts import region_of_this_host
+
+DEFAULT_REGION = "default"
+
+
+def local_region_name(config: CompressionConfig, rank: int, world_size: int) -> str:
+    """This rank's region name according to the config (before ranks compare notes)."""
+    if config.regions == "per-rank":
+        return f"rank{rank}"
+    if config.regions == "env":
+        return region_of_this_host() or DEFAULT_REGION
+    if len(config.regions) != world_size:
+        raise ValueError(
+            f"CompressionConfig.regions names {len(config.regions)} regions but the job has "
+            f"{world_size} ranks; give one region name per rank"
+        )
+    return config.regions[rank]
+
+
+@dataclass
+class Topology:
+    rank: int
+    world_size: int
+    rank_regions: tuple[str, ...]
+    """Region name of every rank, by rank."""
+    regions: tuple[str, ...] = field(init=False)
+    """Region names, sorted: a region's index is its position here."""
+    members: tuple[tuple[int, ...], ...] = field(init=False)
+    """Ranks of each region (by region index), ascending."""
+    shards: int = field(init=False)
+    groups: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.regions = tuple(sorted(set(self.rank_regions)))
+        self.members = tuple(
+            tuple(r for r in range(self.world_size) if self.rank_regions[r] == name)
+            for name in self.regions
+        )
+        self.shards = min(len(m) for m in self.members)
+
+    @property
+    def region(self) -> int:
+        """This rank's region index."""
+        return self.regions.index(self.rank_regions[self.rank])
+
+    @property
+    def local_index(self) -> int:
+        return self.members[self.region].index(self.rank)
+
+    @property
+    def shard(self) -> int | None:
+        """The shard this rank exchanges across regions, or None if it owns none."""
+        return self.local_index if self.local_index < self.shards else None
+
+    @property
+    def single_region(self) -> bool:
+        return len(self.regions) == 1
+
+    def shard_owners(self, shard: int) -> tuple[int, ...]:
+        """The ranks that exchange `shard`, one per region, in region order."""
+        return tuple(m[shard] for m in self.members)
+
+    def describe(self) -> str:
+        parts = [
+            f"{name}: ranks {list(m)}" for name, m in zip(self.regions, self.members, strict=True)
+        ]
+        return f"{len(self.regions)} region(s), {self.shards} shard(s) per bucket - " + "; ".join(
+            parts
+        )
+
+    @classmethod
+    def discover(cls, config: CompressionConfig, timeout: timedelta) -> Topology:
+        """All ranks: agree on every rank's region and create the process groups."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = local_region_name(config, rank, world)
+        names: list[Any] = [None] * world
+        dist.all_gather_object(names, mine)
+        topo = cls(rank, world, tuple(names))
+        topo._create_groups(timeout)
+        return topo
+
+    def _create_groups(self, timeout: timedelta) -> None:
+        backend = dist.get_backend()
+        everyone = list(range(self.world_size))
+        self.groups["dense"] = dist.new_group(everyone, timeout=timeout, backend=backend)
+        self.groups["control"] = dist.new_group(everyone, timeout=timeout, backend="gloo")
+        if self.single_region:
+            return
+        for index, ranks in enumerate(self.members):
+            self.groups[f"region{index}"] = dist.new_group(
+                list(ranks), timeout=timeout, backend=backend
+            )
+        for shard in range(self.shards):
+            self.groups[f"cross{shard}"] = dist.new_group(
+                list(self.shard_owners(shard)), timeout=timeout, backend="gloo"
+            )
+
+    def group(self, name: str) -> Any:
+        return self.groups[name]

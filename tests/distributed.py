@@ -1,0 +1,112 @@
+"""Run a function on N real processes joined by torch.distributed over gloo on loopback.
+
+    results = run_ranks(2, worker, arg1, arg2, env={0: {...}, 1: {...}}, timeout=120)
+
+`worker(rank, world_size, *args)` runs in a fresh (spawned) process with RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set, so `cloudtrain.init()` joins the group; its return value comes
+back. An exception in any rank fails the call with that rank's traceback, and so does a rank that
+dies without a word or does not finish within `timeout` seconds (every process is killed, none
+left). With allow_failures, failed ranks give a RankFailed in their place instead.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class RankFailed(AssertionError):
+    def __init__(self, rank: int, text: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{text}")
+        self.rank = rank
+        self.text = text
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world, port, env, args, results) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    )
+    os.environ.update(env)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        out = fn(rank, world, *args)
+        results.put((rank, True, out))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_ranks(
+    world: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    env: dict[int, dict[str, str]] | None = None,
+    timeout: float = 120.0,
+    allow_failures: bool = False,
+) -> list[Any]:
+    """Results by rank (see module docstring)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, r, world, port, (env or {}).get(r, {}), args, results),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world:
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                for r, p in enumerate(procs):  # a rank that died without a word
+                    if r not in out and p.exitcode is not None and results.empty():
+                        out[r] = RankFailed(
+                            r, f"process exited with code {p.exitcode} and no result"
+                        )
+                        if not allow_failures:
+                            raise out[r] from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world)) - set(out))
+                    raise AssertionError(
+                        f"ranks {missing} did not finish within {timeout}s"
+                    ) from None
+                continue
+            out[rank] = value if ok else RankFailed(rank, value)
+            if not ok and not allow_failures:
+                raise out[rank]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world)]

@@ -1,0 +1,457 @@
+"""CloudDDP on real processes over gloo: exactness against DDP and against the codec reference,
+bit-identical replicas, every DDP mode, clear and quick failures, and exact resume."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from distributed import RankFailed, run_ranks
+
+from cloudtrain import CompressionConfig
+
+STEPS = 50
+
+
+def make_model(hidden: int = 48, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(20, hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, 5),
+    ).to(dtype)
+
+
+def batch(rank: int, step: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 20, generator=g).to(dtype)
+    return x, torch.randint(0, 5, (8,), generator=g)
+
+
+def loss_of(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x).float(), y)
+
+
+def params_of(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_identical(results: list[list[torch.Tensor]]) -> None:
+    for rank, params in enumerate(results[1:], start=1):
+        for a, b in zip(results[0], params, strict=True):
+            assert torch.equal(a, b), f"rank {rank}'s parameters differ from rank 0's"
+
+
+# -- exactness ------------------------------------------------------------------------------------
+
+
+def _versus_ddp(rank, world, config, regions, bucket_cap_mb):
+    import cloudtrain
+
+    cloudtrain.init()
+    plain = torch.nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=bucket_cap_mb)
+    cloud = cloudtrain.CloudDDP(
+        make_model(),
+        CompressionConfig.resolve(config, regions=regions),
+        bucket_cap_mb=bucket_cap_mb,
+    )
+    exact, worst = True, 0.0
+    for step in range(5):
+        x, y = batch(rank, step)
+        for m in (plain, cloud):
+            m.zero_grad()
+            loss_of(m, x, y).backward()
+        for a, b in zip(plain.parameters(), cloud.parameters(), strict=True):
+            exact &= torch.equal(a.grad, b.grad)
+            worst = max(worst, (a.grad - b.grad).abs().max().item())
+    return exact, worst, cloud.comm.stats["buckets"]
+
+
+@pytest.mark.parametrize(
+    "world,regions",
+    [(2, "env"), (3, "env"), (2, "per-rank")],
+)
+def test_codec_none_gives_exactly_ddps_gradients(world, regions):
+    results = run_ranks(world, _versus_ddp, "none", regions, 0.002)
+    for exact, worst, buckets in results:
+        assert buckets > 1, "the test model must span several buckets"
+        assert exact, f"gradients differ from DDP's by up to {worst}"
+
+
+def test_codec_none_across_two_regions_of_two_matches_ddp_to_rounding():
+    results = run_ranks(4, _versus_ddp, "none", ("a", "a", "b", "b"), 0.002)
+    for _, worst, _ in results:
+        assert worst < 1e-6
+
+
+def _versus_reference(rank, world, config, regions, steps):
+    """Replay CloudDDP's math with the codec library alone and compare every step's gradient,
+    including DDP's bucket rebuild after the first step (residuals return to the gradients)."""
+    import torch.distributed as dist
+
+    import cloudtrain
+    from cloudtrain.compress import ErrorFeedback, RandomKey
+
+    cloudtrain.init()
+    cfg = CompressionConfig.resolve(config, regions=regions)
+    model = make_model()
+    shadow = make_model()  # same weights, no DDP: this rank's local gradient
+    cloud = cloudtrain.CloudDDP(model, cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    topo = cloud.topology
+    codec = cfg.make_codec()
+    level = codec.check_level(cfg.level)
+    efs: dict = {}  # (region, shard) -> ErrorFeedback of that shard owner
+    previous = None
+    mismatches = []
+    for step in range(steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss_of(cloud, x, y).backward()
+        shadow.zero_grad()
+        loss_of(shadow, x, y).backward()
+        (layout,) = cloud.comm.layouts.values()
+        n = sum(numel for _, _, numel in layout)
+        shards = topo.shards
+        m = -(-n // shards)
+        params = list(shadow.parameters())
+        flat = torch.zeros(n)
+        for pi, offset, numel in layout:
+            flat[offset : offset + numel] = params[pi].grad.reshape(-1)
+        everyone = [torch.empty(n) for _ in range(world)]
+        dist.all_gather(everyone, flat)
+        scaled = [g * (1.0 / world) for g in everyone]
+        if previous is not None and previous != layout:
+            # DDP rebuilt its bucket: each owner adds its residual back into its own gradient
+            new_offset = {pi: offset for pi, offset, _ in layout}
+            for (region, j), ef in efs.items():
+                residual = ef.residuals[(0, j)]
+                owner = topo.members[region][j]
+                for pi, offset, numel in previous:
+                    a, b = max(j * m, offset), min((j + 1) * m, offset + numel)
+                    if a < b:
+                        start = new_offset[pi] + a - offset
+                        scaled[owner][start : start + b - a] += residual[a - j * m : b - j * m]
+            efs = {}
+        previous = layout
+        region_sums = []
+        for members in topo.members:
+            total = torch.zeros(shards * m)
+            for r in members:
+                total[:n] += scaled[r]
+            region_sums.append(total)
+        expected = torch.zeros(shards * m)
+        for j in range(shards):
+            out = torch.zeros(m)
+            packets = []
+            for region, total in enumerate(region_sums):
+                ef = efs.setdefault((region, j), ErrorFeedback())
+                key = RandomKey(cfg.seed, step, j, region)
+                packets.append(ef.encode((0, j), total[j * m : (j + 1) * m], codec, level, key))
+                valid = n - j * m
+                if valid < m:
+                    ef.residuals[(0, j)][max(valid, 0) :] = 0
+            for p in packets:
+                codec.accumulate([p], out)
+            expected[j * m : (j + 1) * m] = out
+        got = torch.zeros(n)
+        for pi, offset, numel in layout:
+            got[offset : offset + numel] = list(model.parameters())[pi].grad.reshape(-1)
+        if not torch.equal(got, expected[:n]):
+            mismatches.append((step, (got - expected[:n]).abs().max().item()))
+        opt.step()
+        with torch.no_grad():  # keep the shadow on the replicas' weights
+            for s, p in zip(shadow.parameters(), model.parameters(), strict=True):
+                s.copy_(p)
+    cloud.verify_replicas()
+    return mismatches, params_of(model), len(cloud.comm.layouts)
+
+
+@pytest.mark.parametrize(
+    "world,config,regions",
+    [
+        (2, "topk-1pct", "per-rank"),
+        (2, "cocktail", "per-rank"),
+        (4, "quant4", ("us", "us", "eu", "eu")),
+        (4, "topk-1pct", ("us", "eu", "us", "eu")),
+    ],
+)
+def test_lossy_update_equals_the_reference_and_replicas_agree(world, config, regions):
+    results = run_ranks(world, _versus_reference, config, regions, STEPS, timeout=300)
+    for mismatches, _, buckets in results:
+        assert buckets == 1
+        assert mismatches == [], (
+            f"steps where CloudDDP's gradient differs from the reference: {mismatches[:5]}"
+        )
+    assert_identical([r[1] for r in results])
+
+
+# -- DDP modes --------------------------------------------------------------------------------------
+
+
+class Branchy(torch.nn.Module):
+    """A model whose second head is unused on odd steps."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(20, 32)
+        self.head_a = torch.nn.Linear(32, 5)
+        self.head_b = torch.nn.Linear(32, 5)
+
+    def forward(self, x, use_b: bool = True):
+        h = torch.tanh(self.body(x))
+        return self.head_a(h) + (self.head_b(h) if use_b else 0)
+
+
+def _train_mode(rank, world, mode, config):
+    import cloudtrain
+
+    cloudtrain.init()
+    cfg = CompressionConfig.resolve(config, regions="per-rank", verify_every=5)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, torch.float32)
+    kwargs = {}
+    if mode == "unused":
+        model = Branchy()
+        kwargs["find_unused_parameters"] = True
+    else:
+        model = make_model(dtype=dtype)
+    if mode == "buckets":
+        kwargs["bucket_cap_mb"] = 0.001
+    if mode == "static":
+        kwargs["static_graph"] = True
+    cloud = cloudtrain.CloudDDP(model, cfg, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sync_steps = 0
+    for step in range(20):
+        x, y = batch(rank, step, dtype)
+        if mode == "no_sync" and step % 4 != 3:
+            with cloud.no_sync():
+                loss_of(cloud, x, y).backward()
+            continue
+        if mode == "amp":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_of(cloud, x, y)
+        elif mode == "unused":
+            loss = torch.nn.functional.cross_entropy(cloud(x, use_b=step % 2 == 0), y)
+        else:
+            loss = loss_of(cloud, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync_steps += 1
+    cloud.verify_replicas()
+    return (
+        params_of(model),
+        cloud.comm.step,
+        sync_steps,
+        cloud.comm.stats["buckets"],
+        cloud.comm.stats["wan_bytes_sent"],
+    )
+
+
+@pytest.mark.parametrize("mode", ["no_sync", "bf16", "fp16", "amp", "unused", "buckets", "static"])
+def test_ddp_modes_keep_replicas_identical(mode):
+    results = run_ranks(2, _train_mode, mode, "topk-1pct", timeout=180)
+    assert_identical([r[0] for r in results])
+    _, comm_steps, sync_steps, buckets, sent = results[0]
+    assert comm_steps == sync_steps, "the communication step counts sync steps only (no_sync skips)"
+    assert sent > 0
+    if mode == "no_sync":
+        assert sync_steps == 5
+    if mode == "buckets":
+        assert buckets >= 3, f"expected several buckets in flight, got {buckets}"
+
+
+# -- failures: clear and quick ----------------------------------------------------------------------
+
+
+def _mismatch(rank, world, kind):
+    import cloudtrain
+
+    cloudtrain.init()
+    config = "topk-1pct" if kind != "config" or rank == 0 else "quant4"
+    hidden = 48 if kind != "model" or rank == 0 else 40
+    t0 = time.monotonic()
+    try:
+        cloudtrain.CloudDDP(
+            make_model(hidden), CompressionConfig.resolve(config, regions="per-rank")
+        )
+    except cloudtrain.ConfigMismatch as e:
+        return str(e), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        ("config", "rank 1's CompressionConfig differs from rank 0's"),
+        ("model", "rank 1's model differs from rank 0's: parameter '0.weight' is ((40, 20)"),
+    ],
+)
+def test_mismatched_ranks_raise_within_seconds(kind, message):
+    results = run_ranks(2, _mismatch, kind, timeout=60)
+    for text, seconds in results:
+        assert text is not None and message in text
+        assert seconds < 10
+
+
+def _dies(rank, world, timeout_s):
+    import cloudtrain
+
+    cloudtrain.init(timeout_s=timeout_s)
+    cloud = cloudtrain.CloudDDP(
+        make_model(),
+        CompressionConfig.resolve("topk-1pct", regions="per-rank", timeout_s=timeout_s),
+    )
+    for step in range(10):
+        if rank == 1 and step == 3:
+            os._exit(1)  # a peer dies mid-run
+        x, y = batch(rank, step)
+        t0 = time.monotonic()
+        try:
+            loss_of(cloud, x, y).backward()
+        except RuntimeError as e:
+            return str(e), time.monotonic() - t0
+    return None, 0.0
+
+
+def test_killed_peer_raises_within_the_timeout():
+    timeout_s = 8.0
+    results = run_ranks(2, _dies, timeout_s, timeout=60, allow_failures=True)
+    text, seconds = results[0]
+    assert text is not None, "rank 0 should have raised"
+    assert (
+        "cross-region exchange" in text
+        and "ranks [0, 1]" in text
+        and "A peer may have died" in text
+    )
+    assert seconds < timeout_s + 5
+
+
+def _nonfinite(rank, world, mode):
+    import cloudtrain
+
+    cloudtrain.init()
+    cloud = cloudtrain.CloudDDP(
+        make_model(), CompressionConfig.resolve("topk-1pct", regions="per-rank", nonfinite=mode)
+    )
+    outcome = []
+    for step in range(4):
+        x, y = batch(rank, step)
+        if step == 1 and rank == 1:
+            x[0, 0] = float("nan")
+        cloud.zero_grad()
+        try:
+            loss_of(cloud, x, y).backward()
+            outcome.append(all(bool(torch.isfinite(p.grad).all()) for p in cloud.parameters()))
+        except RuntimeError as e:
+            outcome.append(str(e))
+            break
+    residuals_finite = all(bool(torch.isfinite(r).all()) for r in cloud.comm.ef.residuals.values())
+    return outcome, residuals_finite
+
+
+def test_nonfinite_gradient_raises_on_every_rank():
+    for outcome, _ in run_ranks(2, _nonfinite, "raise", timeout=60):
+        assert outcome[0] is True and "has NaN or Inf (raised on every rank)" in outcome[1]
+
+
+def test_nonfinite_pass_reaches_every_rank_and_spares_the_residual():
+    for outcome, residuals_finite in run_ranks(2, _nonfinite, "pass", timeout=60):
+        assert outcome == [True, False, True, True]
+        assert residuals_finite
+
+
+def _diverge(rank, world):
+    import cloudtrain
+
+    cloudtrain.init()
+    model = make_model()
+    cloud = cloudtrain.CloudDDP(
+        model, CompressionConfig.resolve("topk-1pct", regions="per-rank", verify_every=3)
+    )
+    for step in range(6):
+        if step == 2 and rank == 1:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] += 1e-6  # a silent corruption on one replica
+        x, y = batch(rank, step)
+        try:
+            loss_of(cloud, x, y).backward()
+        except RuntimeError as e:
+            return step, str(e)
+    return None, ""
+
+
+def test_verify_every_catches_a_diverged_replica():
+    for step, text in run_ranks(2, _diverge, timeout=60):
+        assert step == 3
+        assert "rank 1's parameter '0.weight' differs from rank 0's" in text
+
+
+# -- state -----------------------------------------------------------------------------------------------
+
+
+def _train_span(rank, world, config, start, stop, state_dir):
+    import cloudtrain
+
+    cloudtrain.init()
+    model = make_model()
+    cloud = cloudtrain.CloudDDP(model, CompressionConfig.resolve(config, regions="per-rank"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    path = os.path.join(state_dir, f"rank{rank}.pt") if state_dir else None
+    if start:
+        state = torch.load(path, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        cloud.load_comm_state_dict(state["comm"])
+    for step in range(start, stop):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss_of(cloud, x, y).backward()
+        opt.step()
+    if path:
+        torch.save(
+            {"model": model.state_dict(), "opt": opt.state_dict(), "comm": cloud.comm_state_dict()},
+            path,
+        )
+    return params_of(model), cloud.comm.step
+
+
+@pytest.mark.parametrize("config", ["topk-1pct", "cocktail", "quant4"])
+def test_comm_state_round_trip_continues_bit_identically(config, tmp_path):
+    straight = run_ranks(2, _train_span, config, 0, 20, None)
+    run_ranks(2, _train_span, config, 0, 10, str(tmp_path))
+    resumed = run_ranks(2, _train_span, config, 10, 20, str(tmp_path))
+    for (a, step_a), (b, step_b) in zip(straight, resumed, strict=True):
+        assert step_a == step_b == 20
+        for pa, pb in zip(a, b, strict=True):
+            assert torch.equal(pa, pb), (
+                "a resumed run must continue exactly as an uninterrupted one"
+            )
+
+
+def test_config_values_are_checked():
+    with pytest.raises(ValueError, match="unknown codec 'gzip'"):
+        CompressionConfig(codec="gzip")
+    with pytest.raises(ValueError, match="neither a preset"):
+        CompressionConfig.resolve("fast-please")
+    with pytest.raises(ValueError, match="bits 2, 4 or 8"):
+        CompressionConfig(codec="quant", level=3)
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        CompressionConfig(timeout_s=0)
+    with pytest.raises(ValueError, match="residual_dtype='float16'"):
+        CompressionConfig(residual_dtype="float16")
+    with pytest.raises(ValueError, match="regions='everywhere'"):
+        CompressionConfig(regions="everywhere")
+    with pytest.raises(ValueError, match="leave level unset"):
+        CompressionConfig(codec="auto", level=0.1)
+    with pytest.raises(ValueError, match="verify_every=-1"):
+        CompressionConfig(verify_every=-1)
+    assert CompressionConfig.resolve("cocktail").level == (0.1, 0.1, 4)
+    assert CompressionConfig.resolve("topk:0.05").codec == "topk"
+    assert RankFailed  # the helper is importable for the tests above
