@@ -16,6 +16,7 @@ decodes and sums the same bytes in the same order.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -77,8 +78,13 @@ def exchange_sized(
     group: Any,
     timeout: timedelta,
     where: str = "",
+    timings: dict[int, float] | None = None,
 ) -> list[torch.Tensor]:
-    """Owners send packets of different sizes, known to all from the plan: point-to-point."""
+    """Owners send packets of different sizes, known to all from the plan: point-to-point.
+
+    With `timings`, records for every peer the seconds from the start until its packet was in
+    (the controller's passive bandwidth estimate).
+    """
     if wire.numel() != sizes[me]:
         raise CommError(
             f"cloudtrain: own packet is {wire.numel()} bytes, the plan announced {sizes[me]}{where}"
@@ -86,14 +92,40 @@ def exchange_sized(
     received = [
         wire if i == me else torch.empty(size, dtype=torch.uint8) for i, size in enumerate(sizes)
     ]
+    sends: list[Any] = []
+    recvs: dict[int, Any] = {}
 
     def start() -> list[Any]:
-        works = []
         for i, peer in enumerate(peers):
             if i != me:
-                works.append(dist.isend(wire, dst=peer, group=group))
-                works.append(dist.irecv(received[i], src=peer, group=group))
-        return works
+                sends.append(dist.isend(wire, dst=peer, group=group))
+                recvs[i] = dist.irecv(received[i], src=peer, group=group)
+        return sends + list(recvs.values())
 
-    finish("cross-region exchange (point-to-point)", peers, timeout, start, where)
+    def start_and_time_arrivals() -> list[Any]:
+        # gloo completes a receive only inside wait(): one thread per peer waits and stamps it
+        t0 = time.monotonic()
+        start()
+        errors: list[BaseException] = []
+
+        def wait_for(i: int, work: Any) -> None:
+            try:
+                work.wait(timeout)
+                timings[i] = time.monotonic() - t0
+            except BaseException as e:
+                errors.append(e)
+
+        waiters = [
+            threading.Thread(target=wait_for, args=item, daemon=True) for item in recvs.items()
+        ]
+        for t in waiters:
+            t.start()
+        for t in waiters:
+            t.join()
+        if errors:
+            raise errors[0]
+        return sends
+
+    stage = "cross-region exchange (point-to-point)"
+    finish(stage, peers, timeout, start if timings is None else start_and_time_arrivals, where)
     return received

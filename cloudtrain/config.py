@@ -61,8 +61,8 @@ class CompressionConfig:
 
     regions: Any = "env"
     """Region of each rank: "env" (CLOUDTRAIN_REGION, else the host's region from
-    CLOUDTRAIN_HOST_REGIONS, else one region for all), "per-rank" (each rank its own region), or
-    a sequence giving every rank's region name."""
+    CLOUDTRAIN_HOST_REGIONS; ranks without one are grouped by measured bandwidth), "probe" (always
+    by measured bandwidth), "per-rank" (each rank its own region), or a region name per rank."""
 
     timeout_s: float = 300.0
     """Seconds any collective may take before it raises, naming the stage and the peers."""

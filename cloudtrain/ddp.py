@@ -144,10 +144,12 @@ class CommState:
         self.error: BaseException | None = None
         self.stats = {"wan_bytes_sent": 0, "steps": 0, "buckets": 0}
         self.controller = None
-        if config.codec == AUTO:
+        if config.codec == AUTO and not topo.single_region:
             from .controller import Controller
 
-            self.controller = Controller(config, topo)
+            if topo.links is None:
+                topo.probe()
+            self.controller = Controller(config, topo, self.shard_numels())
         self.plan = self._static_plan()
         self.direct = topo.single_region
         self._first_of_step = True
@@ -166,8 +168,17 @@ class CommState:
     def _static_plan(self) -> Plan:
         if self.controller is not None:
             return self.controller.initial_plan()
+        if self.config.codec == AUTO:  # one region: nothing crosses a slow link
+            return Plan(tuple(("none", None) for _ in self.topo.regions))
         level = self.codec(self.config.codec).check_level(self.config.level)
         return Plan(tuple((self.config.codec, level) for _ in self.topo.regions))
+
+    def shard_numels(self) -> list[int]:
+        """Elements of each bucket's shard (before the first step: the model as one bucket)."""
+        shards = self.topo.shards
+        if self.layouts:
+            return [-(-sum(n for _, _, n in lay) // shards) for lay in self.layouts.values()]
+        return [-(-sum(p.numel() for p in self.params if p.requires_grad) // shards)]
 
     # -- the hook's two paths ---------------------------------------------------------------------
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -182,6 +193,8 @@ class CommState:
             bucket.index(), buffer, bucket.is_last(), bucket.parameters(), bucket.gradients(), fut
         )
         self.stats["buckets"] = max(self.stats["buckets"], job.index + 1)
+        if job.is_last and self.controller is not None:
+            self.controller.compute_finished()
         if self.direct:
             return self._allreduce(job)
         if buffer.is_cuda:
@@ -268,6 +281,8 @@ class CommState:
         self._first_of_step = True
         self.step += 1
         self.stats["steps"] += 1
+        if self.controller is not None:
+            self.controller.step_started()
 
     def _reduce(self, job: _Job) -> torch.Tensor:
         """The bucket's data path (module docstring), on the communication thread.
@@ -368,8 +383,7 @@ class CommState:
         name, level = plan.senders[me]
         codec = self.codec(name)
         key = RandomKey(self.config.seed, self.step, bucket_key, me)
-        lossy = name != "none"
-        if self.ef is not None and lossy:
+        if self.ef is not None:  # also at "none": what earlier levels kept back goes out now
             packet = self.ef.encode((index, shard), x, codec, level, key)
             residual = self.ef.residuals[(index, shard)]
             valid = n - shard * m
@@ -380,11 +394,14 @@ class CommState:
         wire = to_wire(packet)
         peers = topo.shard_owners(shard)
         group = topo.group(f"cross{shard}")
-        if plan.uniform:
+        if plan.uniform and self.controller is None:
             wires = exchange_fixed(wire, peers, group, self.timeout, where)
-        else:
+        else:  # per-sender sizes; the controller also times each sender's packet
             sizes = [self.codec(c).nbytes(m, lv, x.dtype) for c, lv in plan.senders]
-            wires = exchange_sized(wire, sizes, peers, me, group, self.timeout, where)
+            timings: dict[int, float] | None = {} if self.controller is not None else None
+            wires = exchange_sized(wire, sizes, peers, me, group, self.timeout, where, timings)
+            for region, seconds in (timings or {}).items():
+                self.controller.received(region, sizes[region], seconds)
         self.stats["wan_bytes_sent"] += wire.numel() * (len(peers) - 1)
         out = torch.zeros(m, dtype=torch.float32, device=x.device)
         for region, data in enumerate(wires):

@@ -1,8 +1,9 @@
 """Which rank is in which region, and the process groups CloudDDP reduces a bucket over.
 
 Regions come from CompressionConfig.regions: "env" (CLOUDTRAIN_REGION, else the host's region from
-`cloudtrain launch`'s CLOUDTRAIN_HOST_REGIONS, else everyone in region "default"), "per-rank", or
-an explicit name per rank. Every rank learns every other rank's region with one all_gather.
+`cloudtrain launch`'s CLOUDTRAIN_HOST_REGIONS), "probe", "per-rank", or an explicit name per rank.
+Every rank learns every other rank's region with one all_gather; if any rank has none (or with
+"probe"), all links are measured (cloudtrain.probe) and ranks are grouped by bandwidth.
 
 Regions are ordered by name; inside a region ranks are ordered by rank, and a rank's position
 there is its local index. With S = the size of the smallest region, a bucket is cut into S shards:
@@ -12,8 +13,8 @@ the per-flow TCP window cap of long paths. Ranks with local index >= S (in large
 no shard and receive the results from their region.
 
 Groups (every rank creates every group, in the same order, as torch.distributed requires):
+- `control`: all ranks, gloo - the probe, plans, replica checks;
 - `dense`: all ranks, the job's backend - the single-region all-reduce;
-- `control`: all ranks, gloo - plans, fingerprints, replica checks;
 - `region[r]`: the ranks of region r, the job's backend - dense reduce-scatter / all-gather;
 - `cross[j]`: the owners of shard j, one per region, gloo - compressed packets (CPU bytes).
 """
@@ -28,16 +29,19 @@ import torch.distributed as dist
 
 from .config import CompressionConfig
 from .hosts import region_of_this_host
+from .probe import LinkMatrix, cluster_regions, probe
 
-DEFAULT_REGION = "default"
+AUTO_REGION = "measured"
 
 
-def local_region_name(config: CompressionConfig, rank: int, world_size: int) -> str:
-    """This rank's region name according to the config (before ranks compare notes)."""
+def local_region_name(config: CompressionConfig, rank: int, world_size: int) -> str | None:
+    """This rank's region name according to the config, or None if it must be measured."""
     if config.regions == "per-rank":
         return f"rank{rank}"
+    if config.regions == "probe":
+        return None
     if config.regions == "env":
-        return region_of_this_host() or DEFAULT_REGION
+        return region_of_this_host()
     if len(config.regions) != world_size:
         raise ValueError(
             f"CompressionConfig.regions names {len(config.regions)} regions but the job has "
@@ -58,6 +62,8 @@ class Topology:
     """Ranks of each region (by region index), ascending."""
     shards: int = field(init=False)
     groups: dict[str, Any] = field(default_factory=dict, repr=False)
+    links: LinkMatrix | None = field(default=None, repr=False)
+    """Measured links between all ranks, where they were probed."""
 
     def __post_init__(self) -> None:
         self.regions = tuple(sorted(set(self.rank_regions)))
@@ -101,18 +107,28 @@ class Topology:
     def discover(cls, config: CompressionConfig, timeout: timedelta) -> Topology:
         """All ranks: agree on every rank's region and create the process groups."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        mine = local_region_name(config, rank, world)
+        control = dist.new_group(list(range(world)), timeout=timeout, backend="gloo")
         names: list[Any] = [None] * world
-        dist.all_gather_object(names, mine)
-        topo = cls(rank, world, tuple(names))
+        dist.all_gather_object(names, local_region_name(config, rank, world), group=control)
+        links = None
+        if any(name is None for name in names):
+            links = probe(control)
+            names = [f"{AUTO_REGION}{label}" for label in cluster_regions(links)]
+        topo = cls(rank, world, tuple(names), links=links)
+        topo.groups["control"] = control
         topo._create_groups(timeout)
         return topo
 
+    def probe(self) -> LinkMatrix:
+        """Measure all links now (all ranks call), and keep the result."""
+        self.links = probe(self.group("control"))
+        return self.links
+
     def _create_groups(self, timeout: timedelta) -> None:
         backend = dist.get_backend()
-        everyone = list(range(self.world_size))
-        self.groups["dense"] = dist.new_group(everyone, timeout=timeout, backend=backend)
-        self.groups["control"] = dist.new_group(everyone, timeout=timeout, backend="gloo")
+        self.groups["dense"] = dist.new_group(
+            list(range(self.world_size)), timeout=timeout, backend=backend
+        )
         if self.single_region:
             return
         for index, ranks in enumerate(self.members):

@@ -1,0 +1,399 @@
+"""The adaptive controller: each region's shard owners compress exactly as much as their link
+needs, and fast links not at all.
+
+Per sender region, every `interval` steps (Kimad's rule, budget = bandwidth x time):
+
+    time the exchange may take   T = hidden_fraction x compute time of a step
+    bytes it may send            B = bandwidth x max(T - exchanges x rtt / 2, T / 10)
+    level                        the lightest rung of the ladder whose bytes per step fit B
+
+The ladder runs from no compression through 16-bit, 8- and 4-bit quantization to top-k 10%, 1%,
+0.1% and 0.01% with 8-bit values. Bandwidth starts from the active probe (cloudtrain.probe) and
+follows the real transfers: each owner times every packet it receives, and the controller keeps
+an EWMA of each sender's achieved bytes/second. Hysteresis keeps it from flapping: it compresses
+more at once when the current rung no longer fits, but compresses less only after `patience`
+decisions in a row in which the lighter rung fits with `margin` to spare.
+
+The decision is made on rank 0 from everyone's observations (gathered) and broadcast, so every
+rank uses the same plan - and so knows every packet's size. `plan_levels` is the pure function
+at its heart; the Controller class adds the measurements, the state (part of comm_state_dict)
+and the logging (each change is logged; metrics() feeds TensorBoard when it is installed).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from .compress import make_codec
+
+log = logging.getLogger("cloudtrain")
+
+LADDER: tuple[tuple[str, Any], ...] = (
+    ("none", None),
+    ("bf16", None),
+    ("quant", 8),
+    ("quant", 4),
+    ("topk-sampled>quant", (0.1, 8)),
+    ("topk-sampled>quant", (0.01, 8)),
+    ("topk-sampled>quant", (0.001, 8)),
+    ("topk-sampled>quant", (0.0001, 8)),
+)
+"""Rungs from no compression to the most; each is (codec name, level)."""
+
+MIN_BANDWIDTH = 1e3  # bytes/s: below 8 kbit/s a link is not a link
+MAX_BANDWIDTH = 1e12  # bytes/s: above 8 Tbit/s an estimate is not a measurement
+
+
+@dataclass(frozen=True)
+class ControllerOptions:
+    hidden_fraction: float = 0.5
+    """Share of a step's compute time the cross-region exchange may take (it overlaps backward)."""
+    interval: int = 5
+    """Steps between decisions."""
+    patience: int = 2
+    """Decisions in a row a lighter rung must fit before compressing less."""
+    margin: float = 0.7
+    """A lighter rung 'fits with margin' when it needs at most this share of the budget."""
+    ewma: float = 0.5
+    """Weight of the newest bandwidth measurement."""
+    ladder: tuple[tuple[str, Any], ...] = LADDER
+    initial_compute_s: float = 0.1
+    """Compute time per step assumed until the first one is measured."""
+    tensorboard_dir: str | None = None
+    """Write metrics for TensorBoard here (needs the tensorboard package)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.hidden_fraction <= 10:
+            raise ValueError(f"hidden_fraction={self.hidden_fraction!r} must be in (0, 10]")
+        if not isinstance(self.interval, int) or self.interval < 1:
+            raise ValueError(f"interval={self.interval!r} must be an int >= 1 (steps)")
+        if not isinstance(self.patience, int) or self.patience < 1:
+            raise ValueError(f"patience={self.patience!r} must be an int >= 1")
+        if not 0 < self.margin <= 1:
+            raise ValueError(f"margin={self.margin!r} must be in (0, 1]")
+        if not 0 < self.ewma <= 1:
+            raise ValueError(f"ewma={self.ewma!r} must be in (0, 1]")
+        if not self.initial_compute_s > 0:
+            raise ValueError(f"initial_compute_s={self.initial_compute_s!r} must be positive")
+        if not self.ladder:
+            raise ValueError("ladder: give at least one (codec, level) rung")
+        for name, level in self.ladder:
+            make_codec(name).check_level(level)  # raises for an unknown codec or a bad level
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> ControllerOptions:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(
+                f"unknown controller options {sorted(unknown)}; known: {sorted(known)}"
+            )
+        opts = dict(options)
+        if "ladder" in opts:
+            opts["ladder"] = tuple(
+                (name, tuple(lv) if isinstance(lv, list) else lv) for name, lv in opts["ladder"]
+            )
+        return cls(**opts)
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    """What one sender region's link looks like to the controller."""
+
+    bandwidth: float
+    """Bytes per second its packets reach the other regions at."""
+    rtt: float
+    """Round trip in seconds (a fixed cost of every exchange)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bandwidth) and MIN_BANDWIDTH <= self.bandwidth <= MAX_BANDWIDTH):
+            raise ValueError(
+                f"bandwidth={self.bandwidth!r} B/s is not a plausible link "
+                f"({MIN_BANDWIDTH:g}..{MAX_BANDWIDTH:g} B/s)"
+            )
+        if not (math.isfinite(self.rtt) and 0 <= self.rtt <= 60):
+            raise ValueError(f"rtt={self.rtt!r} s is not a plausible round trip (0..60 s)")
+
+
+def rung_bytes(rung: tuple[str, Any], shard_numels: Sequence[int], receivers: int) -> int:
+    """Bytes a sender puts on its link per step at this rung: its packet for every bucket's
+    shard, once per receiving region."""
+    codec = make_codec(rung[0])
+    return receivers * sum(codec.nbytes(m, rung[1]) for m in shard_numels)
+
+
+def plan_levels(
+    links: Sequence[LinkEstimate],
+    compute_time: float,
+    shard_numels: Sequence[int],
+    current: Sequence[int] | None = None,
+    streak: Sequence[int] | None = None,
+    options: ControllerOptions | None = None,
+) -> tuple[list[int], list[int], list[float]]:
+    """Choose a ladder rung per sender region (pure function).
+
+    links: one LinkEstimate per region; compute_time: seconds of compute per step (> 0);
+    shard_numels: elements of each bucket's shard. current/streak: the rungs in use and how many
+    decisions in a row a lighter one has fitted with margin (hysteresis state).
+    Returns (rungs, streaks, budgets in bytes per step).
+    """
+    options = options or ControllerOptions()
+    if not (math.isfinite(compute_time) and compute_time > 0):
+        raise ValueError(f"compute_time={compute_time!r} must be a positive number of seconds")
+    if not shard_numels or any(m < 0 for m in shard_numels):
+        raise ValueError("shard_numels: the element count of every bucket's shard (non-negative)")
+    ladder = options.ladder
+    regions = len(links)
+    receivers = max(regions - 1, 1)
+    current = list(current) if current is not None else [0] * regions
+    streak = list(streak) if streak is not None else [0] * regions
+    if len(current) != regions or len(streak) != regions:
+        raise ValueError("current and streak need one entry per region")
+    sizes = [rung_bytes(r, shard_numels, receivers) for r in ladder]
+    allowed = options.hidden_fraction * compute_time
+    rungs, streaks, budgets = [], [], []
+    for link, now, run in zip(links, current, streak, strict=True):
+        # packets of one bucket cross at once, so each exchange costs about half a round trip
+        usable = max(allowed - len(shard_numels) * link.rtt / 2, allowed / 10)
+        budget = link.bandwidth * usable
+        fits = next((i for i, size in enumerate(sizes) if size <= budget), len(ladder) - 1)
+        roomy = next(
+            (i for i, size in enumerate(sizes) if size <= options.margin * budget), len(ladder) - 1
+        )
+        if fits > now:  # the current rung no longer fits: compress more, now
+            choice, run = fits, 0
+        elif roomy < now:  # a lighter rung fits with room: only after `patience` such decisions
+            run += 1
+            choice, run = (roomy, 0) if run >= options.patience else (now, run)
+        else:
+            choice, run = now, 0
+        rungs.append(choice)
+        streaks.append(run)
+        budgets.append(budget)
+    return rungs, streaks, budgets
+
+
+def passive_bandwidth(
+    samples: Sequence[tuple[int, float]], latency: float, significant: float = 0.002
+) -> float | None:
+    """Bytes/s of a sender from (bytes, seconds) arrivals of its packets, or None if they say
+    nothing about bandwidth.
+
+    Waiting for a late sender only ever adds time, so packets of one size count with their
+    fastest arrival; the latency is taken off. If the transfers took under `significant` seconds
+    in all, latency and scheduling noise dominate them: small packets cannot show bandwidth (and
+    must not shrink the estimate, or the controller would compress ever more).
+    """
+    fastest: dict[int, float] = {}
+    for nbytes, seconds in samples:
+        fastest[nbytes] = min(seconds, fastest.get(nbytes, math.inf))
+    moving = sum(max(t - latency, 0.0) for t in fastest.values())
+    if moving < significant:
+        return None
+    return min(max(sum(fastest) / moving, MIN_BANDWIDTH), MAX_BANDWIDTH)
+
+
+@dataclass
+class _Observations:
+    """What this rank saw since the last decision."""
+
+    compute: list[float] = field(default_factory=list)
+    received: dict[int, list[tuple[int, float]]] = field(
+        default_factory=dict
+    )  # region -> (bytes, s)
+
+    def clear(self) -> None:
+        self.compute.clear()
+        self.received.clear()
+
+
+class Controller:
+    """Plans levels for CloudDDP's "auto" config (module docstring)."""
+
+    FIRST_DECISION = 2  # the first step whose compute time was measured is step 1
+
+    def __init__(self, config: Any, topo: Any, shard_numels: Sequence[int]) -> None:
+        self.options = ControllerOptions.from_dict(config.controller)
+        self.topo = topo
+        regions = len(topo.regions)
+        self.bandwidth: list[float | None] = [None] * regions
+        self.rtt: list[float] = [0.0] * regions
+        self.rungs = [0] * regions
+        self.streak = [0] * regions
+        self.compute_time: float | None = None
+        self.obs = _Observations()
+        self.history: list[dict[str, Any]] = []
+        self._step_start: float | None = None
+        self._writer = None
+        if topo.links is not None:
+            self.seed_from_probe(topo.links, shard_numels)
+
+    # -- measurements (every rank) ----------------------------------------------------------
+    def seed_from_probe(self, links: Any, shard_numels: Sequence[int]) -> None:
+        """Initial estimates from the active probe: a region's bandwidth is its slowest link to
+        another region, shared by its shard owners' parallel flows; then the initial rungs."""
+        topo = self.topo
+        for r, members in enumerate(topo.members):
+            others = [j for q, m in enumerate(topo.members) if q != r for j in m]
+            pairs = [(i, j) for i in members for j in others]
+            self.bandwidth[r] = min(links.beta[i][j] for i, j in pairs) / topo.shards
+            self.rtt[r] = min(min(links.alpha[i][j] for i, j in pairs), 60.0)  # noise only adds
+        estimates = [
+            LinkEstimate(min(max(b, MIN_BANDWIDTH), MAX_BANDWIDTH), t)
+            for b, t in zip(self.bandwidth, self.rtt, strict=True)
+        ]
+        self.rungs, self.streak, _ = plan_levels(
+            estimates, self.options.initial_compute_s, shard_numels, options=self.options
+        )
+
+    def step_started(self) -> None:
+        self._step_start = time.monotonic()
+
+    def compute_finished(self) -> None:
+        """Called when the step's last bucket is handed over: the step's compute is done."""
+        if self._step_start is not None:
+            self.obs.compute.append(time.monotonic() - self._step_start)
+
+    def received(self, region: int, nbytes: int, seconds: float) -> None:
+        if seconds > 0:
+            self.obs.received.setdefault(region, []).append((nbytes, seconds))
+
+    # -- decisions (all ranks call, rank 0 decides) ----------------------------------------------
+    def initial_plan(self) -> Any:
+        from .ddp import Plan
+
+        return Plan(tuple(self.options.ladder[r] for r in self.rungs))
+
+    def plan_for_step(self, step: int, state: Any) -> Any:
+        if step < self.FIRST_DECISION or (step - self.FIRST_DECISION) % self.options.interval:
+            return state.plan
+        group = self.topo.group("control")
+        mine = {"compute": list(self.obs.compute), "received": dict(self.obs.received)}
+        self.obs.clear()
+        gathered: list[Any] = [None] * self.topo.world_size
+        dist.all_gather_object(gathered, mine, group=group)
+        decision: list[Any] = [None]
+        if self.topo.rank == 0:
+            decision[0] = self._decide(step, gathered, state)
+        dist.broadcast_object_list(decision, src=0, group=group)
+        rungs, streak, bandwidth, compute_time, record = decision[0]
+        changed = rungs != self.rungs
+        self.rungs, self.streak, self.bandwidth, self.compute_time = (
+            rungs,
+            streak,
+            bandwidth,
+            compute_time,
+        )
+        self.history.append(record)
+        if changed:
+            log.warning("cloudtrain: step %d: %s", step, record["text"])
+        self._write_metrics(step, record, state)
+        return self.initial_plan()
+
+    def _decide(self, step: int, gathered: list[Any], state: Any) -> tuple:
+        opts = self.options
+        computes = sorted(c for g in gathered for c in g["compute"])
+        compute_time = computes[len(computes) // 2] if computes else self.compute_time or 1.0
+        bandwidth = list(self.bandwidth)
+        for region in range(len(bandwidth)):
+            samples = [s for g in gathered for s in g["received"].get(region, [])]
+            measured = passive_bandwidth(samples, self.rtt[region] / 2)
+            if measured is None:
+                continue
+            old = bandwidth[region]
+            bandwidth[region] = (
+                measured if old is None else opts.ewma * measured + (1 - opts.ewma) * old
+            )
+        links = [
+            LinkEstimate(b if b is not None else MAX_BANDWIDTH, r)
+            for b, r in zip(bandwidth, self.rtt, strict=True)
+        ]
+        shard_numels = state.shard_numels()
+        rungs, streak, budgets = plan_levels(
+            links, compute_time, shard_numels, self.rungs, self.streak, opts
+        )
+        names = self.topo.regions
+        text = (
+            "plan "
+            + ", ".join(
+                f"{names[r]}: {_describe(opts.ladder[rungs[r]])} ({8 * links[r].bandwidth / 1e6:.1f} Mbit/s, "
+                f"budget {budgets[r] / 1e6:.2f} MB/step)"
+                for r in range(len(names))
+            )
+            + f"; compute {1000 * compute_time:.0f} ms/step"
+        )
+        record = {
+            "step": step,
+            "rungs": rungs,
+            "levels": [_describe(opts.ladder[r]) for r in rungs],
+            "bandwidth_Bps": [link.bandwidth for link in links],
+            "budget_B": budgets,
+            "compute_s": compute_time,
+            "text": text,
+        }
+        return rungs, streak, bandwidth, compute_time, record
+
+    # -- state and metrics -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "bandwidth": list(self.bandwidth),
+            "rtt": list(self.rtt),
+            "rungs": list(self.rungs),
+            "streak": list(self.streak),
+            "compute_time": self.compute_time,
+            "history": list(self.history),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["rungs"]) != len(self.rungs):
+            raise ValueError("controller state is for another number of regions")
+        self.bandwidth = list(state["bandwidth"])
+        self.rtt = list(state["rtt"])
+        self.rungs = list(state["rungs"])
+        self.streak = list(state["streak"])
+        self.compute_time = state["compute_time"]
+        self.history = list(state["history"])
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for r, name in enumerate(self.topo.regions):
+            out[f"level/{name}"] = float(self.rungs[r])
+            if self.bandwidth[r] is not None:
+                out[f"bandwidth_mbit/{name}"] = 8 * self.bandwidth[r] / 1e6
+        return out
+
+    def _write_metrics(self, step: int, record: dict[str, Any], state: Any) -> None:
+        if self.options.tensorboard_dir is None or self.topo.rank != 0:
+            return
+        if self._writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                log.warning("cloudtrain: tensorboard is not installed; metrics go to the log only")
+                self.options = ControllerOptions(
+                    **{**self.options.__dict__, "tensorboard_dir": None}
+                )
+                return
+            self._writer = SummaryWriter(self.options.tensorboard_dir)
+        for key, value in self.metrics().items():
+            self._writer.add_scalar(key, value, step)
+        self._writer.add_scalar("wan_bytes_sent", state.stats["wan_bytes_sent"], step)
+
+
+def _describe(rung: tuple[str, Any]) -> str:
+    name, level = rung
+    if name == "none":
+        return "no compression"
+    if name == "quant":
+        return f"{level}-bit"
+    if name.startswith("topk"):
+        density, bits = level
+        return f"top-k {100 * density:g}% + {bits}-bit"
+    return name

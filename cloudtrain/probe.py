@@ -1,0 +1,238 @@
+"""Bandwidth prober: measure every link between ranks, and find regions from the measurements.
+
+Each ordered pair (i -> j), one pair at a time so no two probes share a bottleneck: i sends
+messages of growing size (64 KiB, doubling, until one takes `max_seconds` or reaches
+`max_bytes`), j answers each with a one-byte ack, i times them. The times are fitted to
+latency + bytes / bandwidth (least squares), giving alpha (seconds, about one round trip) and beta
+(bytes per second) per direction. Every rank gets the whole matrix.
+
+    cloudtrain probe                          # under torchrun / horovodrun: prints the matrix
+    cloudtrain probe --netem NAME             # on every rank of a `cloudtrain netem` emulator
+
+`cluster_regions` groups ranks whose links are much faster among themselves than to the others
+(the largest gap in log-bandwidth, at least `min_ratio`), for ranks launched without
+CLOUDTRAIN_REGION. The passive estimates during training live in cloudtrain.controller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+START_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class LinkMatrix:
+    """alpha[i][j] seconds and beta[i][j] bytes/second of the link from rank i to rank j."""
+
+    alpha: tuple[tuple[float, ...], ...]
+    beta: tuple[tuple[float, ...], ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.beta)
+
+    def mbit(self, i: int, j: int) -> float:
+        return 8 * self.beta[i][j] / 1e6
+
+    def table(self) -> str:
+        n = self.world_size
+        head = "from\\to " + " ".join(f"{j:>14}" for j in range(n))
+        rows = [head]
+        for i in range(n):
+            cells = [
+                f"{'-':>14}"
+                if i == j
+                else f"{self.mbit(i, j):8.1f}Mb {1000 * self.alpha[i][j]:4.1f}ms"
+                for j in range(n)
+            ]
+            rows.append(f"{i:>7} " + " ".join(cells))
+        return "\n".join(rows)
+
+
+def fit_link(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(alpha seconds, beta bytes/s) from (bytes, seconds) samples: t = alpha + bytes / beta.
+
+    Delays only ever add (a busy peer, a scheduler), so each size counts with its fastest time;
+    the line is fitted to those by least squares.
+    """
+    if not samples:
+        raise ValueError("fit_link needs at least one (bytes, seconds) sample")
+    fastest: dict[int, float] = {}
+    for b, t in samples:
+        fastest[b] = min(t, fastest.get(b, math.inf))
+    points = sorted(fastest.items())
+    n = len(points)
+    mean_b = sum(b for b, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    var = sum((b - mean_b) ** 2 for b, _ in points)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / var if var > 0 else 0.0
+    if slope <= 0:  # no size dependence visible: bandwidth from the largest transfer alone
+        b, t = points[-1]
+        return points[0][1], b / max(t, 1e-9)
+    alpha = min(max(0.0, mean_t - slope * mean_b), points[0][1])
+    return alpha, 1.0 / slope
+
+
+def _measure(
+    src: int, dst: int, group: Any, max_seconds: float, max_bytes: int, repeats: int
+) -> list[tuple[int, float]]:
+    """src sends growing messages to dst and times each until dst's ack is back."""
+    me = dist.get_rank()
+    header = torch.zeros(1, dtype=torch.int64)
+    ack = torch.zeros(1, dtype=torch.uint8)
+    samples: list[tuple[int, float]] = []
+    size = START_BYTES
+    if me == src:
+        payload = torch.zeros(max_bytes, dtype=torch.uint8)
+        while True:
+            for _ in range(repeats):
+                header[0] = size
+                t0 = time.perf_counter()
+                dist.send(header, dst, group=group)
+                dist.send(payload[:size], dst, group=group)
+                dist.recv(ack, dst, group=group)
+                samples.append((size, time.perf_counter() - t0))
+            if samples[-1][1] >= max_seconds or size * 2 > max_bytes:
+                break
+            size *= 2
+        header[0] = 0
+        dist.send(header, dst, group=group)
+    elif me == dst:
+        buf = torch.empty(max_bytes, dtype=torch.uint8)
+        while True:
+            dist.recv(header, src, group=group)
+            size = int(header[0])
+            if size == 0:
+                break
+            dist.recv(buf[:size], src, group=group)
+            dist.send(ack, src, group=group)
+    return samples
+
+
+def probe(
+    group: Any = None,
+    *,
+    max_seconds: float = 0.05,
+    max_bytes: int = 8 * 1024 * 1024,
+    repeats: int = 3,
+) -> LinkMatrix:
+    """All ranks of `group` (a gloo group; default: the world) call this; all get the matrix."""
+    world, me = dist.get_world_size(group), dist.get_rank()
+    ranks = list(range(world))
+    mine: dict[int, tuple[float, float]] = {}
+    for i in ranks:
+        for j in ranks:
+            if i == j:
+                continue
+            samples = _measure(i, j, group, max_seconds, max_bytes, repeats)
+            if me == i:
+                mine[j] = fit_link(samples)
+    rows: list[Any] = [None] * world
+    dist.all_gather_object(rows, mine, group=group)
+    alpha = tuple(tuple(0.0 if i == j else rows[i][j][0] for j in ranks) for i in ranks)
+    beta = tuple(tuple(math.inf if i == j else rows[i][j][1] for j in ranks) for i in ranks)
+    return LinkMatrix(alpha, beta)
+
+
+def cluster_regions(links: LinkMatrix, min_ratio: float = 4.0) -> list[int]:
+    """A region index per rank: ranks joined by links on the fast side of the largest gap in
+    log-bandwidth (if that gap is at least min_ratio) share a region. Regions are numbered by
+    their lowest rank."""
+    n = links.world_size
+    pair = {
+        (i, j): min(links.beta[i][j], links.beta[j][i]) for i in range(n) for j in range(i + 1, n)
+    }
+    if not pair:
+        return [0] * n
+    values = sorted(pair.values())
+    gaps = [(values[k + 1] / values[k], k) for k in range(len(values) - 1) if values[k] > 0]
+    ratio, k = max(gaps, default=(1.0, 0))
+    if ratio < min_ratio:
+        return [0] * n
+    threshold = math.sqrt(values[k] * values[k + 1])
+    parent = list(range(n))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for (i, j), b in pair.items():
+        if b >= threshold:
+            parent[root(j)] = root(i)
+    labels: dict[int, int] = {}
+    return [labels.setdefault(root(r), len(labels)) for r in range(n)]
+
+
+# -- the `cloudtrain probe` command ------------------------------------------------------------------
+
+
+def _run_probe(as_json: bool) -> int:
+    from .bootstrap import init
+
+    init()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
+    links = probe(group)
+    regions = cluster_regions(links)
+    if dist.get_rank() == 0:
+        if as_json:
+            print(
+                json.dumps(
+                    {
+                        "alpha_s": links.alpha,
+                        "beta_Bps": [
+                            [b if math.isfinite(b) else None for b in row] for row in links.beta
+                        ],
+                        "regions": regions,
+                    }
+                )
+            )
+        else:
+            print(f"links between {links.world_size} ranks (Mbit/s, latency):")
+            print(links.table())
+            print(f"regions found by bandwidth: {regions}")
+    dist.destroy_process_group()
+    return 0
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--netem", metavar="NAME", help="run one rank in each namespace of this emulator"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.netem:
+        return _run_probe(args.json)
+    from .netem import Emulator
+
+    wan = Emulator.attach(args.netem)
+    argv = [sys.executable, "-m", "cloudtrain.probe"] + (["--json"] if args.json else [])
+    env = {"WORLD_SIZE": str(wan.world_size), "MASTER_PORT": "29517"}
+    procs = [
+        wan.popen(r, argv, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
+        for r in range(wan.world_size)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    print(outputs[0], end="")
+    return max(p.returncode for p in procs)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="cloudtrain probe")
+    configure(parser)
+    sys.exit(_run_probe(parser.parse_args().json))

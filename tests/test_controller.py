@@ -1,0 +1,202 @@
+"""The controller's choice as a pure function of link estimates, and the probe's fitting and
+clustering on synthetic measurements."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from cloudtrain.controller import (
+    LADDER,
+    ControllerOptions,
+    LinkEstimate,
+    passive_bandwidth,
+    plan_levels,
+    rung_bytes,
+)
+from cloudtrain.probe import LinkMatrix, cluster_regions, fit_link
+
+MBIT = 1e6 / 8  # bytes/s
+SHARDS = [6_000_000, 6_000_000, 1_000_000]  # three buckets of a 13M-parameter model, one shard each
+
+
+def level_name(rung: int) -> str:
+    return f"{LADDER[rung][0]}:{LADDER[rung][1]}"
+
+
+def test_ladder_gets_smaller_at_every_rung():
+    sizes = [rung_bytes(r, SHARDS, 1) for r in LADDER]
+    assert all(a > b for a, b in itertools.pairwise(sizes)), sizes
+    assert sizes[0] == pytest.approx(4 * sum(SHARDS), rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "mbit,compute_s,expect",
+    [
+        (10_000, 0.2, "none:None"),  # a fast link: no lossy compression at all
+        (5_000, 0.2, "none:None"),  # intra-zone profile
+        (3_000, 0.2, "bf16:None"),
+        (2_000, 0.2, "quant:8"),
+        (800, 0.2, "quant:4"),
+        (500, 0.2, "topk-sampled>quant:(0.1, 8)"),
+        (210, 0.2, "topk-sampled>quant:(0.1, 8)"),  # US-EU
+        (50, 0.2, "topk-sampled>quant:(0.01, 8)"),
+        (50, 0.02, "topk-sampled>quant:(0.001, 8)"),  # less compute to hide behind: more
+        (1, 0.2, "topk-sampled>quant:(0.0001, 8)"),  # nothing fits: the most compressed rung
+    ],
+)
+def test_the_lightest_rung_that_fits(mbit, compute_s, expect):
+    rungs, _, budgets = plan_levels([LinkEstimate(mbit * MBIT, 0.0)] * 2, compute_s, SHARDS)
+    assert rungs[0] == rungs[1]
+    assert level_name(rungs[0]) == expect
+    # it fits (unless nothing does), and the rung before it would not
+    if rungs[0] < len(LADDER) - 1:
+        assert rung_bytes(LADDER[rungs[0]], SHARDS, 1) <= budgets[0]
+    if rungs[0] > 0:
+        assert rung_bytes(LADDER[rungs[0] - 1], SHARDS, 1) > budgets[0]
+
+
+def test_budget_is_bandwidth_times_hidden_time_minus_round_trips():
+    link = LinkEstimate(100 * MBIT, 0.02)
+    opts = ControllerOptions(hidden_fraction=0.5)
+    _, _, (budget,) = plan_levels([link], 0.4, SHARDS, options=opts)
+    assert budget == pytest.approx(100 * MBIT * (0.5 * 0.4 - 3 * 0.02 / 2))
+    # round trips longer than the hidden time: a tenth of it is left for the bytes
+    _, _, (budget,) = plan_levels([LinkEstimate(100 * MBIT, 1.0)], 0.4, SHARDS, options=opts)
+    assert budget == pytest.approx(100 * MBIT * 0.02)
+
+
+def test_heterogeneous_links_get_different_levels():
+    links = [LinkEstimate(1000 * MBIT, 0.001), LinkEstimate(50 * MBIT, 0.001)]
+    rungs, _, _ = plan_levels(links, 0.2, SHARDS)
+    assert rungs[0] < rungs[1]
+
+
+def test_more_regions_means_more_bytes_per_sender():
+    one = plan_levels([LinkEstimate(300 * MBIT, 0.0)] * 2, 0.2, SHARDS)[0][0]
+    four = plan_levels([LinkEstimate(300 * MBIT, 0.0)] * 4, 0.2, SHARDS)[0][0]
+    assert four > one
+
+
+def test_hysteresis_compresses_more_at_once_and_less_only_after_patience():
+    opts = ControllerOptions(patience=3, margin=0.7)
+    slow = [LinkEstimate(50 * MBIT, 0.0)]
+    fast = [LinkEstimate(2000 * MBIT, 0.0)]
+    (rung,), streak, _ = plan_levels(fast, 0.2, SHARDS, options=opts)
+    (dropped,), streak, _ = plan_levels(slow, 0.2, SHARDS, [rung], streak, opts)
+    assert dropped > rung, "a rung that no longer fits is left at the first decision"
+    history = []
+    current = [dropped]
+    for _ in range(4):
+        current, streak, _ = plan_levels(fast, 0.2, SHARDS, current, streak, opts)
+        history.append(current[0])
+    assert history[:2] == [dropped, dropped] and history[2] == rung, history
+    # a lighter rung that fits only without margin never tempts it
+    edge = rung_bytes(LADDER[2], SHARDS, 1) / (0.5 * 0.2)  # exactly fits 8-bit, no margin
+    current, streak = [3], [0]
+    for _ in range(6):
+        current, streak, _ = plan_levels(
+            [LinkEstimate(edge * 1.01, 0.0)], 0.2, SHARDS, current, streak, opts
+        )
+    assert current == [3]
+
+
+def test_no_flapping_under_noise():
+    rng = random.Random(0)
+    opts = ControllerOptions()
+    current, streak = None, None
+    seen = []
+    for _ in range(40):
+        bw = 210 * MBIT * rng.uniform(0.85, 1.15)  # a noisy US-EU link
+        current, streak, _ = plan_levels(
+            [LinkEstimate(bw, 0.05)], 0.3, SHARDS, current, streak, opts
+        )
+        seen.append(current[0])
+    changes = sum(a != b for a, b in itertools.pairwise(seen))
+    assert changes <= 2, seen
+
+
+@pytest.mark.parametrize("bandwidth", [0.0, -5.0, math.nan, math.inf, 1e15, 10.0])
+def test_absurd_bandwidths_are_rejected(bandwidth):
+    with pytest.raises(ValueError, match="not a plausible link"):
+        LinkEstimate(bandwidth, 0.01)
+
+
+@pytest.mark.parametrize("rtt", [-0.1, math.nan, 3600.0])
+def test_absurd_round_trips_are_rejected(rtt):
+    with pytest.raises(ValueError, match="not a plausible round trip"):
+        LinkEstimate(100 * MBIT, rtt)
+
+
+def test_bad_arguments_are_rejected():
+    link = [LinkEstimate(100 * MBIT, 0.0)]
+    with pytest.raises(ValueError, match="compute_time=0"):
+        plan_levels(link, 0, SHARDS)
+    with pytest.raises(ValueError, match="shard_numels"):
+        plan_levels(link, 0.1, [])
+    with pytest.raises(ValueError, match="one entry per region"):
+        plan_levels(link, 0.1, SHARDS, current=[0, 0])
+    with pytest.raises(ValueError, match="hidden_fraction=0"):
+        ControllerOptions(hidden_fraction=0)
+    with pytest.raises(ValueError, match="unknown controller options"):
+        ControllerOptions.from_dict({"speed": "fast"})
+    with pytest.raises(ValueError, match="unknown codec"):
+        ControllerOptions(ladder=(("zip", None),))
+    with pytest.raises(ValueError, match="bits 2, 4 or 8"):
+        ControllerOptions(ladder=(("quant", 3),))
+
+
+def test_passive_bandwidth_ignores_waiting_and_tiny_packets():
+    # 1 MB packets at 100 Mbit/s (80 ms) - some arrive late because their sender was late
+    samples = [(1_000_000, 0.080), (1_000_000, 0.150), (1_000_000, 0.081), (500_000, 0.040)]
+    bw = passive_bandwidth(samples, latency=0.0)
+    assert bw == pytest.approx(1_500_000 / 0.120)
+    # tiny packets: the time is latency and noise, not bandwidth
+    assert passive_bandwidth([(1_000, 0.0011)] * 5, latency=0.001) is None
+    assert passive_bandwidth([], latency=0.0) is None
+
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    rng = random.Random(1)
+    alpha, beta = 0.05, 12.5e6
+    samples = []
+    for size in [2**k for k in range(16, 23)]:
+        for _ in range(3):
+            samples.append((size, alpha + size / beta + rng.uniform(0, 0.02)))  # delays only add
+        samples.append((size, alpha + size / beta))
+    a, b = fit_link(samples)
+    assert a == pytest.approx(alpha, abs=1e-6) and b == pytest.approx(beta, rel=1e-6)
+    with pytest.raises(ValueError, match="at least one"):
+        fit_link([])
+
+
+def _matrix(groups: list[int], fast: float, slow: float) -> LinkMatrix:
+    n = len(groups)
+    beta = tuple(
+        tuple(
+            math.inf
+            if i == j
+            else (fast if groups[i] == groups[j] else slow) * (1 + 0.1 * ((i + j) % 3))
+            for j in range(n)
+        )
+        for i in range(n)
+    )
+    return LinkMatrix(tuple(tuple(0.0 for _ in range(n)) for _ in range(n)), beta)
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [[0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 0, 1, 1, 1], [0, 1, 2, 0, 1, 2], [0, 0]],
+)
+def test_clustering_recovers_regions(groups):
+    found = cluster_regions(_matrix(groups, fast=1.5e9, slow=12.5e6))
+    relabel: dict[int, int] = {}
+    assert [relabel.setdefault(g, len(relabel)) for g in groups] == found
+
+
+def test_uniform_links_are_one_region():
+    assert cluster_regions(_matrix([0, 1, 2, 3], fast=1e9, slow=1e9)) == [0, 0, 0, 0]
+    assert cluster_regions(_matrix([0, 0, 1, 1], fast=1e9, slow=5e8)) == [0, 0, 0, 0]  # 2x: noise
