@@ -17,7 +17,7 @@ $(STAMP): $(INSTALL_INPUTS)
 	touch $@
 
 demo: install
-	$(PY) examples/demo.py
+	$(PY) -m cloudtrain.bench
 
 test: install
 	$(PY) -m ruff check .

@@ -1,0 +1,470 @@
+"""`cloudtrain bench`: the same training, side by side, over an emulated multi-region WAN.
+
+    sudo cloudtrain bench                               # 2 regions x 2 ranks, 100 Mbit/s
+    cloudtrain bench --scenario hetero|drop|unshaped    # the other measurements
+    cloudtrain bench --steps 150 --json                 # machine-readable report on stdout
+
+Each method trains the same model on the same real data (scikit-learn's handwritten digits; an
+MLP wide enough that its gradients are worth compressing) for the same steps with the same seed:
+compute only (no gradient exchange at all, on loopback: the floor), plain DDP, PyTorch's fp16
+hook, PyTorch's PowerSGD hook, CloudDDP "auto" and a fixed CloudDDP preset. With root the ranks
+run in `cloudtrain netem` namespaces, two regions joined by tbf-shaped links; without root they
+run on loopback, and the report says so. Bytes that crossed the WAN come from the interface
+counters of the shaped links, whatever the frameworks report.
+
+Scenarios: `wan` (both regions at --mbit, default 100), `unshaped` (no shaping: auto must choose
+no lossy compression and stay within 5% of DDP), `hetero` (one region at 1000 Mbit/s, the other
+at 50), `drop` (1000 Mbit/s, falling to 50 at --drop-at while CloudDDP auto trains: how many
+steps until the step time is back within 1.5x of compute only).
+
+Prints a table (step time, ratio to compute only, WAN MB per step, final accuracy) with a
+progress bar while it runs, and writes JSON and a PNG of accuracy against training time to
+--out (default runs/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+METHODS = ("compute", "ddp", "fp16", "powersgd", "cloud-auto", "cloud-topk-1pct")
+LABELS = {
+    "compute": "compute only (loopback)",
+    "ddp": "DDP",
+    "fp16": "DDP + fp16 hook",
+    "powersgd": "DDP + PowerSGD hook",
+    "cloud-auto": 'CloudDDP "auto"',
+    "cloud-topk-1pct": 'CloudDDP "topk-1pct"',
+}
+SCENARIOS = ("wan", "unshaped", "hetero", "drop")
+
+
+# -- the worker: one rank of one method ----------------------------------------------------------
+
+
+def _digits(seed: int):
+    import torch
+
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as e:
+        raise SystemExit(
+            "cloudtrain bench needs scikit-learn: pip install 'cloudtrain[examples]'"
+        ) from e
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32)
+    y = torch.tensor(data.target, dtype=torch.int64)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    x, y = x[order], y[order]
+    n_train = int(0.8 * len(x))
+    mean, std = x[:n_train].mean(0), x[:n_train].std(0).clamp_min(1e-3)
+    x = (x - mean) / std
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
+def _model(hidden: int):
+    import torch
+
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10),
+    )
+
+
+def _wrap(method: str, model, world: int):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    import cloudtrain
+
+    if method == "compute":
+        return model
+    if method == "ddp":
+        return DistributedDataParallel(model)
+    if method == "fp16":
+        ddp = DistributedDataParallel(model)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return ddp
+    if method == "powersgd":
+        # One bucket: PowerSGD's hook issues collectives from callbacks, which fails on gloo
+        # with several buckets in flight ("Received data size doesn't match expected size").
+        ddp = DistributedDataParallel(model, bucket_cap_mb=1024)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=dist.group.WORLD, matrix_approximation_rank=2, start_powerSGD_iter=10
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return ddp
+    preset = method.removeprefix("cloud-")
+    return cloudtrain.CloudDDP(model, preset)
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One rank: train, print JSON lines (progress, then the result) on rank 0."""
+    import torch
+    import torch.nn.functional as F
+
+    import cloudtrain
+
+    torch.set_num_threads(1)
+    if args.method == "compute":  # no process group: nothing but this rank's own work
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    else:
+        cloudtrain.init()
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    x_train, y_train, x_test, y_test = _digits(args.seed)
+    model = _model(args.hidden)
+    ddp = _wrap(args.method, model, world)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    batches = torch.Generator().manual_seed(args.seed + 1)
+    per_rank = args.batch // world
+    step_times, curve = [], []
+    trained = 0.0
+    for step in range(args.steps):
+        idx = torch.randint(len(x_train), (args.batch,), generator=batches)
+        mine = idx[rank * per_rank : (rank + 1) * per_rank]
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(ddp(x_train[mine]), y_train[mine])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        took = time.perf_counter() - t0
+        step_times.append(took)
+        trained += took
+        if rank == 0:
+            line = {"step": step + 1, "ms": 1000 * took}
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                with torch.no_grad():
+                    acc = (model(x_test).argmax(1) == y_test).float().mean().item()
+                curve.append((trained, acc))
+                line["acc"] = acc
+            print(json.dumps(line), flush=True)
+    if rank == 0:
+        result: dict[str, Any] = {"step_times": step_times, "curve": curve, "loss": loss.item()}
+        comm = getattr(ddp, "comm", None)
+        if comm is not None:
+            result["wan_bytes_reported"] = comm.stats["wan_bytes_sent"]
+            if comm.controller is not None:
+                result["plans"] = [(h["step"], h["levels"]) for h in comm.controller.history]
+            else:
+                result["plans"] = [(0, [f"{n}:{lv}" for n, lv in comm.plan.senders])]
+        print("RESULT " + json.dumps(result), flush=True)
+    if args.method != "compute":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+# -- the driver -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    method: str
+    step_ms: float
+    wan_bytes: int | None
+    accuracy: float
+    curve: list
+    plans: list | None
+    step_times: list
+
+
+def _worker_argv(method: str, args: argparse.Namespace) -> list[str]:
+    return [
+        sys.executable, "-m", "cloudtrain.bench", "--worker", "--method", method,
+        "--steps", str(args.steps), "--hidden", str(args.hidden), "--batch", str(args.batch),
+        "--lr", str(args.lr), "--seed", str(args.seed), "--eval-every", str(args.eval_every),
+    ]  # fmt: skip
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(
+    method: str, args: argparse.Namespace, wan: Any, regions: list[str]
+) -> list[subprocess.Popen]:
+    world = len(regions)
+    port = str(_free_port() if wan is None else 29600 + METHODS.index(method) % 50)
+    procs = []
+    for rank in range(world):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+               "CLOUDTRAIN_REGION": regions[rank], "PYTHONWARNINGS": "ignore"}  # fmt: skip
+        out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
+        if wan is None or method == "compute":
+            full = {**os.environ, "MASTER_ADDR": "127.0.0.1", **env}
+            procs.append(
+                subprocess.Popen(_worker_argv(method, args), env=full, stdout=out, text=True)
+            )
+        else:
+            procs.append(
+                wan.popen(rank, _worker_argv(method, args), env=env, stdout=out, text=True)
+            )
+    return procs
+
+
+def _run_method(
+    method: str,
+    args: argparse.Namespace,
+    wan: Any,
+    regions: list[str],
+    progress: Any,
+    drop: Any = None,
+) -> Run:
+    procs = _launch(method, args, wan, regions)
+    result, before = None, None
+    for line in procs[0].stdout:
+        if line.startswith("RESULT "):
+            result = json.loads(line[7:])
+            continue
+        try:
+            info = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        progress.update(1)
+        if wan is not None and info.get("step") == args.warmup:
+            before = wan.counters()  # steady state only: not the start-up broadcasts
+        if drop is not None and info.get("step") == args.drop_at:
+            drop()
+    codes = [p.wait(timeout=600) for p in procs]
+    if result is None or any(codes):
+        raise SystemExit(
+            f"cloudtrain bench: {method} failed (exit codes {codes}); run it alone to see why"
+        )
+    wan_bytes = None
+    if wan is not None and method != "compute" and before is not None:
+        after = wan.counters()
+        wan_bytes = sum(after[r]["tx_bytes"] - before[r]["tx_bytes"] for r in after)
+    times = result["step_times"][args.warmup :]
+    return Run(
+        method,
+        1000 * statistics.median(times),
+        wan_bytes,
+        result["curve"][-1][1],
+        result["curve"],
+        result.get("plans"),
+        result["step_times"],
+    )
+
+
+def _scenario_rates(args: argparse.Namespace) -> dict[str, float] | None:
+    if args.scenario == "wan":
+        return {"us": args.mbit, "eu": args.mbit}
+    if args.scenario == "unshaped":
+        return None
+    return {"us": 1000.0, "eu": 50.0 if args.scenario == "hetero" else 1000.0}
+
+
+def _plot(runs: list[Run], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        ts, accs = zip(*run.curve, strict=True)
+        ax.plot(ts, [100 * a for a in accs], marker=".", label=LABELS.get(run.method, run.method))
+    ax.set_xscale("log")
+    ax.set_xlabel("training time per rank (s, log)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def drive(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from . import netem
+
+    regions = ["us", "us", "eu", "eu"]
+    ok, why = netem.available()
+    wan = None
+    rates = _scenario_rates(args)
+    if ok:
+        mbit = rates if rates is not None else {"us": 100_000.0, "eu": 100_000.0}
+        wan = netem.Emulator({"us": 2, "eu": 2}, mbit=mbit, name=f"bench{os.getpid() % 10000}").up()
+        network = f"2 regions x 2 ranks in network namespaces, {netem_describe(rates)}; emulation: {wan.emulation}"
+    else:
+        network = f"loopback, no WAN shaping ({why}); the figures show overheads, not WAN savings"
+    methods = args.methods or (
+        ["compute", "ddp", "cloud-auto"] if args.scenario in ("hetero", "drop") else list(METHODS)
+    )
+    if args.scenario == "unshaped":
+        methods = [m for m in methods if m in ("compute", "ddp", "cloud-auto")]
+    runs: list[Run] = []
+    try:
+        with tqdm(
+            total=args.steps * len(methods), desc="bench", unit="step", mininterval=1.0
+        ) as progress:
+            for method in methods:
+                progress.set_postfix_str(method)
+                drop = None
+                if args.scenario == "drop" and method != "compute" and wan is not None:
+                    wan.set_rate("us", 1000.0)
+                    wan.set_rate("eu", 1000.0)
+                    drop = lambda: (wan.set_rate("us", 50.0), wan.set_rate("eu", 50.0))  # noqa: E731
+                runs.append(_run_method(method, args, wan, regions, progress, drop))
+    finally:
+        if wan is not None:
+            wan.down()
+    compute = next((r for r in runs if r.method == "compute"), None)
+    rows = []
+    for run in runs:
+        row = {
+            "method": run.method,
+            "label": LABELS.get(run.method, run.method),
+            "step_ms": run.step_ms,
+            "x_compute": run.step_ms / compute.step_ms if compute else None,
+            "wan_mb_per_step": (
+                run.wan_bytes / (args.steps - args.warmup) / 1e6
+                if run.wan_bytes is not None
+                else None
+            ),
+            "accuracy": run.accuracy,
+            "plans": run.plans,
+            "curve": run.curve,
+            "step_times_ms": [1000 * t for t in run.step_times],
+        }
+        rows.append(row)
+    report: dict[str, Any] = {
+        "scenario": args.scenario,
+        "network": network,
+        "emulation": wan.emulation if wan is not None else "none (loopback)",
+        "model": f"MLP 64-{args.hidden}-{args.hidden}-10 on scikit-learn digits",
+        "steps": args.steps,
+        "global_batch": args.batch,
+        "ranks": len(regions),
+        "rows": rows,
+    }
+    if args.scenario == "drop" and compute:
+        report["drop"] = _recovery(rows, compute.step_ms, args.drop_at)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"bench-{args.scenario}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    report["json"] = str(stem.with_suffix(".json"))
+    if _plot(runs, stem.with_suffix(".png"), f"{args.scenario}: {network.split(';')[0]}"):
+        report["plot"] = str(stem.with_suffix(".png"))
+    return report
+
+
+def netem_describe(rates: dict[str, float] | None) -> str:
+    if rates is None:
+        return "links unshaped"
+    return "region uplinks " + ", ".join(f"{r} {m:g} Mbit/s" for r, m in rates.items())
+
+
+def _recovery(rows: list[dict[str, Any]], compute_ms: float, drop_at: int) -> dict[str, Any]:
+    """Steps after the drop until a 5-step rolling median is back within 1.5x compute only."""
+    out = {}
+    for row in rows:
+        if row["method"] == "compute":
+            continue
+        times = row["step_times_ms"]
+        back = None
+        for s in range(drop_at, len(times) - 4):
+            if statistics.median(times[s : s + 5]) <= 1.5 * compute_ms:
+                back = s - drop_at
+                break
+        out[row["method"]] = {"steps_to_recover": back, "limit_ms": 1.5 * compute_ms}
+    return out
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"\ncloudtrain bench - scenario {report['scenario']}: {report['network']}")
+    print(
+        f"{report['model']}, {report['ranks']} ranks, global batch {report['global_batch']}, {report['steps']} steps"
+    )
+    print(f"{'method':28} {'step ms':>9} {'x compute':>10} {'WAN MB/step':>12} {'accuracy':>9}")
+    for row in report["rows"]:
+        ratio = f"{row['x_compute']:10.2f}" if row["x_compute"] is not None else f"{'':>10}"
+        wan = (
+            f"{row['wan_mb_per_step']:12.3f}"
+            if row["wan_mb_per_step"] is not None
+            else f"{'-':>12}"
+        )
+        print(
+            f"{row['label']:28} {row['step_ms']:9.1f} {ratio} {wan} {100 * row['accuracy']:8.2f}%"
+        )
+    for row in report["rows"]:
+        if row.get("plans"):
+            print(
+                f"  {row['label']} levels: "
+                + "; ".join(f"step {s}: {lv}" for s, lv in row["plans"][-4:])
+            )
+    if "drop" in report:
+        for method, info in report["drop"].items():
+            print(
+                f"  after the drop {method}: back within 1.5x compute only after {info['steps_to_recover']} steps"
+            )
+    print(
+        f"report: {report.get('json')}" + (f", plot: {report['plot']}" if "plot" in report else "")
+    )
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", choices=SCENARIOS, default="wan")
+    parser.add_argument(
+        "--mbit", type=float, default=100.0, help="rate between regions (scenario wan)"
+    )
+    parser.add_argument("--methods", nargs="+", choices=METHODS, help="a subset of the methods")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the step time")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=256, help="global batch")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--drop-at", type=int, default=60, help="step of the drop (scenario drop)")
+    parser.add_argument("--out", default="runs", help="folder for the JSON report and the plot")
+    parser.add_argument(
+        "--json", action="store_true", help="print the JSON report instead of a table"
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker:
+        return worker(args)
+    if args.warmup >= args.steps:
+        raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    report = drive(args)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="cloudtrain bench", description=__doc__.split("\n\n")[0])
+    configure(p)
+    sys.exit(run(p.parse_args()))
