@@ -158,6 +158,8 @@ def worker(args: argparse.Namespace) -> int:
         comm = getattr(ddp, "comm", None)
         if comm is not None:
             result["wan_bytes_reported"] = comm.stats["wan_bytes_sent"]
+            seconds = comm.stats["seconds"].items()
+            result["comm_ms_per_step"] = {k: 1000 * v / args.steps for k, v in seconds}
             if comm.controller is not None:
                 result["plans"] = [(h["step"], h["levels"]) for h in comm.controller.history]
             else:
@@ -182,6 +184,7 @@ class Run:
     curve: list
     plans: list | None
     step_times: list
+    comm_ms: dict | None = None
 
 
 def _worker_argv(method: str, args: argparse.Namespace) -> list[str]:
@@ -263,6 +266,7 @@ def _run_method(
         result["curve"],
         result.get("plans"),
         result["step_times"],
+        result.get("comm_ms_per_step"),
     )
 
 
@@ -349,6 +353,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             ),
             "accuracy": run.accuracy,
             "plans": run.plans,
+            "comm_ms_per_step": run.comm_ms,
             "curve": run.curve,
             "step_times_ms": [1000 * t for t in run.step_times],
         }
@@ -414,6 +419,9 @@ def print_table(report: dict[str, Any]) -> None:
             f"{row['label']:28} {row['step_ms']:9.1f} {ratio} {wan} {100 * row['accuracy']:8.2f}%"
         )
     for row in report["rows"]:
+        if row.get("comm_ms_per_step"):
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in row["comm_ms_per_step"].items())
+            print(f"  {row['label']} communication thread, ms/step on rank 0: {parts}")
         if row.get("plans"):
             print(
                 f"  {row['label']} levels: "

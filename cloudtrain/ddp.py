@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 import zlib
 from collections.abc import Sequence
 from datetime import timedelta
@@ -142,7 +143,7 @@ class CommState:
         self.layouts: dict[int, Layout] = {}
         self.pending: dict[int, list[tuple[int, torch.Tensor]]] = {}
         self.error: BaseException | None = None
-        self.stats = {"wan_bytes_sent": 0, "steps": 0, "buckets": 0}
+        self.stats: dict[str, Any] = {"wan_bytes_sent": 0, "steps": 0, "buckets": 0, "seconds": {}}
         self.controller = None
         if config.codec == AUTO and not topo.single_region:
             from .controller import Controller
@@ -322,6 +323,7 @@ class CommState:
         rgroup = topo.groups.get(f"region{region}")
         shard = topo.shard
         # 2. inside the region: each owner gets the region's sum of its shard
+        t0 = time.perf_counter()
         if len(members) == shards and shards > 1:
             mine = buf.new_empty(m)
             finish(
@@ -342,10 +344,12 @@ class CommState:
             mine = padded[local * m : (local + 1) * m] if shard is not None else None
         else:
             mine = padded
+        self._spent("intra_reduce", t0)
         # 3. across regions: compressed exchange of the shard
         if shard is not None:
             summed = self._exchange(index, mine, shard, m, n, where).to(buf.dtype)
         # 4. inside the region: everyone gets every shard
+        t0 = time.perf_counter()
         if len(members) == shards and shards > 1:
             finish(
                 "intra-region all-gather",
@@ -372,6 +376,12 @@ class CommState:
             padded = summed
         if padded is not buf:
             buf.copy_(padded[:n])
+        self._spent("intra_gather", t0)
+
+    def _spent(self, stage: str, since: float) -> None:
+        """Add the seconds since `since` to stats["seconds"][stage] (for reports and tuning)."""
+        seconds = self.stats["seconds"]
+        seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - since
 
     def _exchange(
         self, index: int, x: torch.Tensor, shard: int, m: int, n: int, where: str
@@ -383,6 +393,7 @@ class CommState:
         name, level = plan.senders[me]
         codec = self.codec(name)
         key = RandomKey(self.config.seed, self.step, bucket_key, me)
+        t0 = time.perf_counter()
         if self.ef is not None:  # also at "none": what earlier levels kept back goes out now
             packet = self.ef.encode((index, shard), x, codec, level, key)
             residual = self.ef.residuals[(index, shard)]
@@ -392,6 +403,8 @@ class CommState:
         else:
             packet = codec.encode(x, level, key)
         wire = to_wire(packet)
+        self._spent("encode", t0)
+        t0 = time.perf_counter()
         peers = topo.shard_owners(shard)
         group = topo.group(f"cross{shard}")
         if plan.uniform and self.controller is None:
@@ -403,6 +416,8 @@ class CommState:
             for region, seconds in (timings or {}).items():
                 self.controller.received(region, sizes[region], seconds)
         self.stats["wan_bytes_sent"] += wire.numel() * (len(peers) - 1)
+        self._spent("exchange", t0)
+        t0 = time.perf_counter()
         out = torch.zeros(m, dtype=torch.float32, device=x.device)
         for region, data in enumerate(wires):
             cname, clevel = plan.senders[region]
@@ -425,6 +440,7 @@ class CommState:
                     packet, parts=tuple(p.to(x.device, non_blocking=True) for p in packet.parts)
                 )
             rcodec.accumulate([packet], out)
+        self._spent("decode", t0)
         return out
 
     def _check_finite(self, result: torch.Tensor, step: int, index: int) -> None:
@@ -550,7 +566,7 @@ class CommState:
                 pi: [(s, t.clone()) for s, t in pieces] for pi, pieces in self.pending.items()
             },
             "controller": None if self.controller is None else self.controller.state_dict(),
-            "stats": dict(self.stats),
+            "stats": {k: v for k, v in self.stats.items() if k != "seconds"},  # times are not state
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -579,7 +595,7 @@ class CommState:
             # another cluster shape: shards have new owners, so residuals go back into gradients
             for b in list(self.layouts):
                 self._residuals_to_pending(b, self.layouts.pop(b))
-        self.stats = dict(state["stats"])
+        self.stats = {**state["stats"], "seconds": {}}
         if self.controller is not None and state.get("controller") is not None:
             self.controller.load_state_dict(state["controller"])
         self._first_of_step = True

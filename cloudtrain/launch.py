@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from .hosts import (
     HOST_REGIONS_ENV,
+    REGION_ENV,
     Host,
     add_source_arguments,
     horovod_hosts_arg,
@@ -96,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"cloudtrain launch: {shown}", file=sys.stderr, flush=True)
     try:
-        return subprocess.call(argv, env={**os.environ, **env})
+        # horovodrun hands this environment to every rank: a region of the launcher's own would
+        # override each host's region from CLOUDTRAIN_HOST_REGIONS, so it does not go along
+        inherited = {k: v for k, v in os.environ.items() if k != REGION_ENV}
+        return subprocess.call(argv, env={**inherited, **env})
     except FileNotFoundError:
         print(
             f"cloudtrain launch: {args.horovodrun!r} not found: install horovod "
