@@ -1,0 +1,240 @@
+"""A small character-level transformer (nanoGPT-style: causal self-attention, pre-LayerNorm,
+tied embeddings) trained data-parallel, with gradients compressed by CloudDDP, on real text every
+machine has: the Python standard library's own source.
+
+Run it however the job is launched (`cloudtrain.init()` reads the launcher's environment):
+
+    python examples/train_charlm.py                                  # one process
+    torchrun --standalone --nproc-per-node 2 examples/train_charlm.py --config topk-10pct \
+        --regions per-rank
+    horovodrun --gloo -np 2 -H localhost:2 python examples/train_charlm.py --config cocktail \
+        --regions per-rank
+
+Data: the top-level .py files of `sysconfig.get_paths()["stdlib"]` in sorted order, concatenated
+up to --chars characters; the vocabulary is the sorted set of characters in that text; the first
+90% is for training, the last 10% (other files) for validation. The same Python gives the same
+text, vocabulary and split on every machine.
+
+--config and --regions are as in train_digits.py: a cloudtrain preset or codec spec, or "ddp" for
+plain PyTorch DistributedDataParallel; "env" (one region per machine: no lossy compression on one
+machine), "per-rank" (every rank its own region: everything compressed), or name,name,... . The
+initial weights and the order of the global batches depend only on --seed, so runs with different
+configs see the same data in the same order. Rank 0 shows a progress bar, prints the validation
+loss, a sample, and a last line `RESULT {json}` (val_loss, steps, world size, config, ms/step, the
+bytes CloudDDP sent across regions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+import cloudtrain
+
+
+def stdlib_text(chars: int) -> str:
+    """The stdlib's top-level .py files in sorted order, concatenated, cut at `chars`."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        total += len(text)
+        if total >= chars:
+            break
+    if not parts:
+        raise SystemExit(f"no .py files in {root}: this Python ships its stdlib without sources")
+    return "".join(parts)[:chars]
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)  # each (b, t, d)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, t, d / heads)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class CharLM(nn.Module):
+    def __init__(self, vocab: int, block: int, d: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.blocks = nn.Sequential(*(Block(d, heads) for _ in range(layers)))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied, as in GPT-2
+        for m in self.modules():  # GPT-2's init: small weights keep the first logits near uniform
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))  # (b, t, d)
+        return self.head(self.ln(self.blocks(x)))  # (b, t, vocab)
+
+
+def windows(data: torch.Tensor, starts: torch.Tensor, block: int):
+    """Inputs and next-character targets at `starts`: two (len(starts), block) tensors."""
+    rows = starts[:, None] + torch.arange(block + 1)  # (n, block + 1)
+    chunk = data[rows]
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def wrap(model: nn.Module, config: str, regions: str) -> nn.Module:
+    """Plain DDP for --config ddp, else CloudDDP with the preset or codec spec."""
+    if config == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    if regions not in ("env", "probe", "per-rank"):
+        regions = tuple(regions.split(","))  # one region name per rank
+    return cloudtrain.CloudDDP(model, cloudtrain.CompressionConfig.resolve(config, regions=regions))
+
+
+@torch.no_grad()
+def val_loss(model: nn.Module, val: torch.Tensor, block: int, batch: int, seed: int) -> float:
+    """Mean loss over fixed validation windows, shared out among the ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    starts = torch.randint(
+        len(val) - block, (8 * batch,), generator=torch.Generator().manual_seed(seed)
+    )
+    x, y = windows(val, starts[rank::world], block)
+    logits = model(x)  # (n, block, vocab)
+    total = torch.tensor(
+        [F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item(), y.numel()],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+@torch.no_grad()
+def sample(model: CharLM, prompt: torch.Tensor, n: int, block: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)  # not torch's global RNG
+    idx = prompt[None]  # (1, t)
+    for _ in range(n):
+        probs = model(idx[:, -block:])[0, -1].softmax(-1)  # (vocab,)
+        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=gen)[None]], dim=1)
+    return idx[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--config", default="auto", help='preset ("auto", "topk-1pct", ...), codec spec, or "ddp"'
+    )
+    parser.add_argument(
+        "--regions", default="env", help='"env", "probe", "per-rank" or name,name,...'
+    )
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=32, help="global batch size, in sequences")
+    parser.add_argument("--block", type=int, default=64, help="context length, characters")
+    parser.add_argument("--width", type=int, default=64, help="model width")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    parser.add_argument("--chars", type=int, default=1_000_000, help="characters of stdlib text")
+    parser.add_argument("--sample", type=int, default=200, help="characters to generate at the end")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    cloudtrain.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.batch % world:
+        raise SystemExit(f"--batch {args.batch} must be divisible by the {world} processes")
+    text = stdlib_text(args.chars)
+    vocab = sorted(set(text))
+    index = {c: i for i, c in enumerate(vocab)}
+    data = torch.tensor([index[c] for c in text])  # (chars,) int64
+    n_train = int(0.9 * len(data))
+    train, val = data[:n_train], data[n_train:]
+
+    torch.manual_seed(args.seed)  # the same initial weights whatever the config
+    net = CharLM(len(vocab), args.block, args.width, args.layers, args.heads)
+    model = wrap(net, args.config, args.regions)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1)
+    warmup = max(1, args.steps // 10)  # then cosine decay to lr / 10
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return args.lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, args.steps - warmup)
+        return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+    batches = torch.Generator().manual_seed(args.seed + 1)  # same global batches on every rank
+    per_rank = args.batch // world
+    progress = tqdm(
+        range(args.steps),
+        desc=f"charlm x{world} {args.config}",
+        disable=rank != 0,
+        mininterval=1.0 if sys.stderr.isatty() else 15.0,  # a log gets a line per 15 s at most
+    )
+    start = time.perf_counter()
+    for step in progress:
+        starts = torch.randint(len(train) - args.block, (args.batch,), generator=batches)
+        x, y = windows(train, starts[rank * per_rank : (rank + 1) * per_rank], args.block)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 25 == 0:
+            progress.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+    elapsed = time.perf_counter() - start
+    progress.close()
+
+    vloss = val_loss(net, val, args.block, args.batch, args.seed + 2)
+    comm = getattr(model, "comm", None)  # CloudDDP's; plain DDP has none
+    sent = torch.tensor([comm.stats["wan_bytes_sent"] if comm else 0], dtype=torch.int64)
+    dist.all_reduce(sent)  # bytes all ranks together sent to other regions
+    if rank == 0:
+        ms = 1000 * elapsed / max(args.steps, 1)
+        print(
+            f"validation loss {vloss:.4f} nats/char after {args.steps} steps on {world} processes "
+            f"({args.config}), {ms:.1f} ms/step; {len(text):,} characters, vocabulary {len(vocab)}",
+            flush=True,
+        )
+        if args.sample:
+            out = sample(net, val[: args.block], args.sample, args.block, args.seed)
+            print("sample:\n" + "".join(vocab[i] for i in out.tolist()), flush=True)
+        result = {
+            "val_loss": vloss,
+            "loss": vloss,
+            "steps": args.steps,
+            "world_size": world,
+            "config": args.config,
+            "regions": None if args.config == "ddp" else args.regions,
+            "seed": args.seed,
+            "params": sum(p.numel() for p in net.parameters()),
+            "ms_per_step": ms,
+            "wan_bytes_sent": int(sent.item()) if comm else None,
+            "host": os.uname().nodename,
+        }
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
