@@ -19,7 +19,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("cloudtrain.launch", "run a training command on the cluster with horovodrun --gloo"),
     "netem": ("cloudtrain.netem", "local WAN emulator: a namespace per rank, tbf-shaped regions"),
     "probe": ("cloudtrain.probe", "measure bandwidth and latency between all ranks"),
-    "bench": ("cloudtrain.bench", "DDP, fp16, PowerSGD and CloudDDP side by side over an emulated WAN"),
+    "bench": (
+        "cloudtrain.bench",
+        "DDP, fp16, PowerSGD and CloudDDP side by side over an emulated WAN",
+    ),
 }
 
 

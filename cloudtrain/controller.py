@@ -10,7 +10,10 @@ Per sender region, every `interval` steps (Kimad's rule, budget = bandwidth x ti
 The ladder runs from no compression through 16-bit, 8- and 4-bit quantization to top-k 10%, 1%,
 0.1% and 0.01% with 8-bit values. Bandwidth starts from the active probe (cloudtrain.probe) and
 follows the real transfers: each owner times every packet it receives, and the controller keeps
-an EWMA of each sender's achieved bytes/second. Hysteresis keeps it from flapping: it compresses
+an EWMA of each sender's achieved bytes/second. While nothing is compressed (the step's gradients
+cross as one plain all-reduce, with no packets to time), the region leaders re-probe their links
+at every decision instead. A rung's cost is its bytes over the bandwidth plus the CPU time its
+encoding and decoding take (timed once at start, `calibrate`). Hysteresis keeps it from flapping: it compresses
 more at once when the current rung no longer fits, but compresses less only after `patience`
 decisions in a row in which the lighter rung fits with `margin` to spare.
 
@@ -29,9 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from .compress import make_codec
+from .compress import ErrorFeedback, RandomKey, from_wire, make_codec, to_wire
+from .probe import probe
 
 log = logging.getLogger("cloudtrain")
 
@@ -136,13 +141,23 @@ def plan_levels(
     current: Sequence[int] | None = None,
     streak: Sequence[int] | None = None,
     options: ControllerOptions | None = None,
+    cpu_seconds: Sequence[float] | None = None,
+    extra_seconds: Sequence[float] | None = None,
+    none_seconds: float | None = None,
 ) -> tuple[list[int], list[int], list[float]]:
     """Choose a ladder rung per sender region (pure function).
 
     links: one LinkEstimate per region; compute_time: seconds of compute per step (> 0);
     shard_numels: elements of each bucket's shard. current/streak: the rungs in use and how many
-    decisions in a row a lighter one has fitted with margin (hysteresis state).
-    Returns (rungs, streaks, budgets in bytes per step).
+    decisions in a row a lighter one has fitted with margin (hysteresis state). cpu_seconds: what
+    encoding and decoding a step costs at each rung (see Controller.calibrate; default 0);
+    extra_seconds: any other per-step cost of a rung (the dense reduction inside regions that
+    only compressed rungs need); none_seconds: the measured time of the "none" rung, which then
+    replaces its estimate.
+
+    A rung's time is bytes / bandwidth + its CPU and extra time; it fits when that is within the
+    time the exchange can stay hidden, minus half a round trip per bucket. When no rung fits, the
+    fastest one is taken. Returns (rungs, streaks, budgets in bytes per step).
     """
     options = options or ControllerOptions()
     if not (math.isfinite(compute_time) and compute_time > 0):
@@ -150,6 +165,12 @@ def plan_levels(
     if not shard_numels or any(m < 0 for m in shard_numels):
         raise ValueError("shard_numels: the element count of every bucket's shard (non-negative)")
     ladder = options.ladder
+    cpu = list(cpu_seconds) if cpu_seconds is not None else [0.0] * len(ladder)
+    extra = list(extra_seconds) if extra_seconds is not None else [0.0] * len(ladder)
+    for name, values in (("cpu_seconds", cpu), ("extra_seconds", extra)):
+        if len(values) != len(ladder) or not all(math.isfinite(c) and c >= 0 for c in values):
+            raise ValueError(f"{name}: one non-negative number of seconds per ladder rung")
+    cost = [c + e for c, e in zip(cpu, extra, strict=True)]
     regions = len(links)
     receivers = max(regions - 1, 1)
     current = list(current) if current is not None else [0] * regions
@@ -162,11 +183,12 @@ def plan_levels(
     for link, now, run in zip(links, current, streak, strict=True):
         # packets of one bucket cross at once, so each exchange costs about half a round trip
         usable = max(allowed - len(shard_numels) * link.rtt / 2, allowed / 10)
-        budget = link.bandwidth * usable
-        fits = next((i for i, size in enumerate(sizes) if size <= budget), len(ladder) - 1)
-        roomy = next(
-            (i for i, size in enumerate(sizes) if size <= options.margin * budget), len(ladder) - 1
-        )
+        times = [size / link.bandwidth + c for size, c in zip(sizes, cost, strict=True)]
+        if none_seconds is not None and ladder[0][0] == "none":
+            times[0] = none_seconds
+        fastest = min(range(len(times)), key=times.__getitem__)
+        fits = next((i for i, t in enumerate(times) if t <= usable), fastest)
+        roomy = next((i for i, t in enumerate(times) if t <= options.margin * usable), fastest)
         if fits > now:  # the current rung no longer fits: compress more, now
             choice, run = fits, 0
         elif roomy < now:  # a lighter rung fits with room: only after `patience` such decisions
@@ -176,7 +198,7 @@ def plan_levels(
             choice, run = now, 0
         rungs.append(choice)
         streaks.append(run)
-        budgets.append(budget)
+        budgets.append(link.bandwidth * usable)
     return rungs, streaks, budgets
 
 
@@ -219,8 +241,11 @@ class Controller:
 
     FIRST_DECISION = 2  # the first step whose compute time was measured is step 1
 
-    def __init__(self, config: Any, topo: Any, shard_numels: Sequence[int]) -> None:
+    def __init__(
+        self, config: Any, topo: Any, shard_numels: Sequence[int], device: Any = "cpu"
+    ) -> None:
         self.options = ControllerOptions.from_dict(config.controller)
+        self.config = config
         self.topo = topo
         regions = len(topo.regions)
         self.bandwidth: list[float | None] = [None] * regions
@@ -232,8 +257,46 @@ class Controller:
         self.history: list[dict[str, Any]] = []
         self._step_start: float | None = None
         self._writer = None
+        self.cpu_per_element = self.calibrate(shard_numels, device)
+        self.seconds_seen: dict[str, float] = {}  # the comm thread's stage times, cumulative
+        self.intra_s: float | None = None  # dense reduce + gather inside regions, per step
+        self.allreduce_s: float | None = None  # the plain all-reduce of uncompressed steps
         if topo.links is not None:
             self.seed_from_probe(topo.links, shard_numels)
+
+    def calibrate(self, shard_numels: Sequence[int], device: Any = "cpu") -> list[float]:
+        """Seconds per shard element that encoding (with error feedback) and decoding the other
+        regions' packets take at each rung, timed on rank 0 and broadcast (all ranks call).
+
+        Compressing more is not always cheaper: on a CPU, top-k 10% costs more than top-k 1%.
+        The "none" rung costs nothing here: a plan without compression is one plain all-reduce.
+        """
+        per_element: list[Any] = [None]
+        if self.topo.rank == 0:
+            n = max(1, min(sum(shard_numels), 1 << 20))
+            gen = torch.Generator().manual_seed(0)
+            x = (torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 3).to(device)
+            senders = len(self.topo.regions)
+            costs = []
+            for name, level in self.options.ladder:
+                if name == "none":
+                    costs.append(0.0)
+                    continue
+                codec = self.config.make_codec(name)
+                ef, best = ErrorFeedback(), math.inf
+                for rep in range(2):
+                    t0 = time.perf_counter()
+                    wire = to_wire(ef.encode(0, x, codec, level, RandomKey(step=rep)))
+                    codec.accumulate([from_wire(wire, codec)] * senders, torch.zeros_like(x))
+                    best = min(best, time.perf_counter() - t0)
+                costs.append(best / n)
+            per_element[0] = costs
+        dist.broadcast_object_list(per_element, src=0, group=self.topo.group("control"))
+        return per_element[0]
+
+    def cpu_seconds(self, shard_numels: Sequence[int]) -> list[float]:
+        total = sum(shard_numels)
+        return [c * total for c in self.cpu_per_element]
 
     # -- measurements (every rank) ----------------------------------------------------------
     def seed_from_probe(self, links: Any, shard_numels: Sequence[int]) -> None:
@@ -250,7 +313,11 @@ class Controller:
             for b, t in zip(self.bandwidth, self.rtt, strict=True)
         ]
         self.rungs, self.streak, _ = plan_levels(
-            estimates, self.options.initial_compute_s, shard_numels, options=self.options
+            estimates,
+            self.options.initial_compute_s,
+            shard_numels,
+            options=self.options,
+            cpu_seconds=self.cpu_seconds(shard_numels),
         )
 
     def step_started(self) -> None:
@@ -276,7 +343,13 @@ class Controller:
             return state.plan
         group = self.topo.group("control")
         mine = {"compute": list(self.obs.compute), "received": dict(self.obs.received)}
+        mine["stage_seconds"] = self._stage_seconds(state)
         self.obs.clear()
+        if self.lossless and self.topo.local_index == 0:
+            # no packets cross regions to time: the region leaders measure the links instead
+            mine["leader_links"] = probe(
+                self.topo.group("leaders"), max_seconds=0.02, max_bytes=1 << 20
+            ).beta
         gathered: list[Any] = [None] * self.topo.world_size
         dist.all_gather_object(gathered, mine, group=group)
         decision: list[Any] = [None]
@@ -297,11 +370,32 @@ class Controller:
         self._write_metrics(step, record, state)
         return self.initial_plan()
 
+    def _stage_seconds(self, state: Any) -> dict[str, float]:
+        """Seconds per step this rank's communication thread spent in each stage since the last
+        decision."""
+        now = dict(state.stats["seconds"])
+        steps = max(self.options.interval, 1)
+        spent = {k: (v - self.seconds_seen.get(k, 0.0)) / steps for k, v in now.items()}
+        self.seconds_seen = now
+        return spent
+
+    @property
+    def lossless(self) -> bool:
+        """No region compresses: the exchange is one plain all-reduce."""
+        return all(self.options.ladder[r][0] == "none" for r in self.rungs)
+
     def _decide(self, step: int, gathered: list[Any], state: Any) -> tuple:
         opts = self.options
         computes = sorted(c for g in gathered for c in g["compute"])
         compute_time = computes[len(computes) // 2] if computes else self.compute_time or 1.0
         bandwidth = list(self.bandwidth)
+        probed = next((g["leader_links"] for g in gathered if "leader_links" in g), None)
+        if probed is not None:  # indexed by rank in the leaders' group, which is by global rank
+            leaders = [m[0] for m in self.topo.members]
+            at = [sorted(leaders).index(leader) for leader in leaders]  # region -> group rank
+            for r in range(len(bandwidth)):
+                slowest = min(probed[at[r]][at[q]] for q in range(len(leaders)) if q != r)
+                bandwidth[r] = min(max(slowest / self.topo.shards, MIN_BANDWIDTH), MAX_BANDWIDTH)
         for region in range(len(bandwidth)):
             samples = [s for g in gathered for s in g["received"].get(region, [])]
             measured = passive_bandwidth(samples, self.rtt[region] / 2)
@@ -311,13 +405,41 @@ class Controller:
             bandwidth[region] = (
                 measured if old is None else opts.ewma * measured + (1 - opts.ewma) * old
             )
+        # what the dense parts cost per step (rank 0's view), where this interval ran them
+        stages = gathered[0].get("stage_seconds", {})
+        intra = stages.get("intra_reduce", 0.0) + stages.get("intra_gather", 0.0)
+        if intra > 0:
+            self.intra_s = (
+                intra
+                if self.intra_s is None
+                else opts.ewma * intra + (1 - opts.ewma) * self.intra_s
+            )
+        if stages.get("allreduce", 0.0) > 0:
+            ar = stages["allreduce"]
+            self.allreduce_s = (
+                ar
+                if self.allreduce_s is None
+                else opts.ewma * ar + (1 - opts.ewma) * self.allreduce_s
+            )
+        # compressed rungs also pay for the reduction inside regions; until it has been seen, a
+        # plain all-reduce's time stands in for it (on gloo they cost about the same)
+        overhead = self.intra_s if self.intra_s is not None else (self.allreduce_s or 0.0)
+        extra = [0.0 if name == "none" else overhead for name, _ in opts.ladder]
         links = [
             LinkEstimate(b if b is not None else MAX_BANDWIDTH, r)
             for b, r in zip(bandwidth, self.rtt, strict=True)
         ]
         shard_numels = state.shard_numels()
         rungs, streak, budgets = plan_levels(
-            links, compute_time, shard_numels, self.rungs, self.streak, opts
+            links,
+            compute_time,
+            shard_numels,
+            self.rungs,
+            self.streak,
+            opts,
+            self.cpu_seconds(shard_numels),
+            extra,
+            self.allreduce_s,
         )
         names = self.topo.regions
         text = (
@@ -336,6 +458,8 @@ class Controller:
             "bandwidth_Bps": [link.bandwidth for link in links],
             "budget_B": budgets,
             "compute_s": compute_time,
+            "intra_s": self.intra_s,
+            "allreduce_s": self.allreduce_s,
             "text": text,
         }
         return rungs, streak, bandwidth, compute_time, record
@@ -348,6 +472,8 @@ class Controller:
             "rungs": list(self.rungs),
             "streak": list(self.streak),
             "compute_time": self.compute_time,
+            "intra_s": self.intra_s,
+            "allreduce_s": self.allreduce_s,
             "history": list(self.history),
         }
 
@@ -359,7 +485,9 @@ class Controller:
         self.rungs = list(state["rungs"])
         self.streak = list(state["streak"])
         self.compute_time = state["compute_time"]
+        self.intra_s, self.allreduce_s = state["intra_s"], state["allreduce_s"]
         self.history = list(state["history"])
+        self.seconds_seen = {}  # the comm thread's stage times start again from zero
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}

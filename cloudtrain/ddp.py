@@ -51,7 +51,7 @@ from .collectives import (
     reduce_scatter_single,
 )
 from .compress import Codec, ErrorFeedback, PacketError, RandomKey, from_wire, to_wire
-from .compress.codecs import Level
+from .compress.codecs import Level, all_finite
 from .config import AUTO, CompressionConfig
 from .topology import Topology
 
@@ -82,6 +82,10 @@ class Plan:
     @property
     def uniform(self) -> bool:
         return len(set(map(repr, self.senders))) == 1
+
+    @property
+    def lossless(self) -> bool:
+        return all(name == "none" for name, _ in self.senders)
 
 
 @dataclasses.dataclass
@@ -150,7 +154,8 @@ class CommState:
 
             if topo.links is None:
                 topo.probe()
-            self.controller = Controller(config, topo, self.shard_numels())
+            device = self.params[0].device if self.params else "cpu"
+            self.controller = Controller(config, topo, self.shard_numels(), device)
         self.plan = self._static_plan()
         self.direct = topo.single_region
         self._first_of_step = True
@@ -277,6 +282,10 @@ class CommState:
             self.verify_replicas()
         if self.controller is not None:
             self.plan = self.controller.plan_for_step(self.step, self)
+            if self.plan.lossless and self.ef is not None and self.ef.residuals:
+                # compression stops: what it kept back goes into the next gradients
+                for b in list(self.layouts):
+                    self._residuals_to_pending(b, self.layouts[b])
 
     def _end_step(self) -> None:
         self._first_of_step = True
@@ -295,7 +304,11 @@ class CommState:
         self._begin()
         buf = job.buffer
         buf.mul_(1.0 / self.world_size)  # as DDP: times the reciprocal, not divided
-        for index, layout, placement in self._units(job):
+        units = self._units(job)
+        if self.controller is not None and self.plan.lossless:
+            self._allreduce_uncompressed(job)
+            units = []
+        for index, layout, placement in units:
             if placement is None:
                 self._reduce_unit(job, index, layout, buf)
                 continue
@@ -309,6 +322,21 @@ class CommState:
         if job.is_last:
             self._end_step()
         return buf
+
+    def _allreduce_uncompressed(self, job: _Job) -> None:
+        """The controller's "no compression" plan: one plain all-reduce of the bucket, as DDP
+        would (a hierarchy buys nothing without compression), with any residuals left from
+        compressed steps added in first."""
+        self._inject_pending(self._signature(job), job.buffer)
+        t0 = time.perf_counter()
+        finish(
+            "all-reduce (no compression)",
+            range(self.world_size),
+            self.timeout,
+            lambda: dist.all_reduce(job.buffer, group=self.topo.group("dense"), async_op=True),
+            f" at step {self.step}, bucket {job.index}",
+        )
+        self._spent("allreduce", t0)
 
     def _reduce_unit(self, job: _Job, index: int, layout: Layout, buf: torch.Tensor) -> None:
         """Steps 2-4 of the data path for bucket `index` (already scaled), in place."""
@@ -444,7 +472,7 @@ class CommState:
         return out
 
     def _check_finite(self, result: torch.Tensor, step: int, index: int) -> None:
-        if self.config.nonfinite == "raise" and not bool(torch.isfinite(result).all()):
+        if self.config.nonfinite == "raise" and not all_finite(result):
             raise ValueError(
                 f"cloudtrain: the summed gradient of bucket {index} at step {step} has NaN or Inf "
                 "(raised on every rank). Fix the loss, or with AMP's GradScaler set "

@@ -88,7 +88,7 @@ def fit_link(samples: list[tuple[int, float]]) -> tuple[float, float]:
 def _measure(
     src: int, dst: int, group: Any, max_seconds: float, max_bytes: int, repeats: int
 ) -> list[tuple[int, float]]:
-    """src sends growing messages to dst and times each until dst's ack is back."""
+    """src sends growing messages to dst and times each until dst's ack is back (global ranks)."""
     me = dist.get_rank()
     header = torch.zeros(1, dtype=torch.int64)
     ack = torch.zeros(1, dtype=torch.uint8)
@@ -128,15 +128,19 @@ def probe(
     max_bytes: int = 8 * 1024 * 1024,
     repeats: int = 3,
 ) -> LinkMatrix:
-    """All ranks of `group` (a gloo group; default: the world) call this; all get the matrix."""
-    world, me = dist.get_world_size(group), dist.get_rank()
+    """All ranks of `group` (a gloo group; default: the world) call this; all get the matrix,
+    indexed by rank within the group."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
     ranks = list(range(world))
+    global_rank = [dist.get_global_rank(group, r) if group is not None else r for r in ranks]
     mine: dict[int, tuple[float, float]] = {}
     for i in ranks:
         for j in ranks:
             if i == j:
                 continue
-            samples = _measure(i, j, group, max_seconds, max_bytes, repeats)
+            samples = _measure(
+                global_rank[i], global_rank[j], group, max_seconds, max_bytes, repeats
+            )
             if me == i:
                 mine[j] = fit_link(samples)
     rows: list[Any] = [None] * world

@@ -16,6 +16,7 @@ Groups (every rank creates every group, in the same order, as torch.distributed 
 - `control`: all ranks, gloo - the probe, plans, replica checks;
 - `dense`: all ranks, the job's backend - the single-region all-reduce;
 - `region[r]`: the ranks of region r, the job's backend - dense reduce-scatter / all-gather;
+- `leaders`: the first rank of every region, gloo - re-probing the links between regions;
 - `cross[j]`: the owners of shard j, one per region, gloo - compressed packets (CPU bytes).
 """
 
@@ -135,6 +136,9 @@ class Topology:
             self.groups[f"region{index}"] = dist.new_group(
                 list(ranks), timeout=timeout, backend=backend
             )
+        self.groups["leaders"] = dist.new_group(
+            [m[0] for m in self.members], timeout=timeout, backend="gloo"
+        )
         for shard in range(self.shards):
             self.groups[f"cross{shard}"] = dist.new_group(
                 list(self.shard_owners(shard)), timeout=timeout, backend="gloo"

@@ -1,12 +1,24 @@
-"""Codec throughput, measured side by side in one run (a benchmark, not a test).
+"""Codec and native-op throughput, measured side by side in one run (a benchmark, not a test).
 
     python -m cloudtrain.compress.bench [--sizes 1000000 25000000] [--json]
+    python -m cloudtrain.compress.bench --sizes 25000000 --skip-codecs --json   # the ops only
+    python -m cloudtrain.compress.bench --device cuda --sizes 100000000 --skip-codecs --json
 
-For each size and codec/level: encode, encode with error feedback, and decode throughput in GB/s
-of fp32 input, and the compression ratio (input bytes / wire bytes). In the same run, the
-baselines the numbers mean something against: a plain memory copy of the same tensor and
-`torch.topk` of |x| at 1% and 0.1%. Each figure is the median of several timed repetitions after
-a warm-up. Machines are shared and noisy: compare ratios within one run, not across runs.
+Codecs (CPU): encode, encode with error feedback, and decode throughput in GB/s of fp32 input,
+and the compression ratio (input bytes / wire bytes), with the baselines the numbers mean
+something against: a plain memory copy of the same tensor and `torch.topk` of |x| at 1% and 0.1%.
+
+Ops (on --device): each native op of compress/ops.py (`torch.ops.cloudtrain.*`) beside its
+reference in reference.py, on the same input, with an fp32 residual where the op has one. Per op:
+seconds native and reference, `speedup` (reference / native), and two bandwidth ratios against
+the copy `dst.copy_(x)` of the same n fp32 elements measured in the same run:
+- `input_vs_copy` = t(copy) / t(op): GB/s of fp32 input, the op's against the copy's (strict:
+  the copy moves 8 bytes per element, a fused op with residual 12 or more);
+- `traffic_vs_copy` = (bytes the op must move / t(op)) / (8 n / t(copy)): its effective memory
+  bandwidth as a fraction of the copy's (`traffic` says which bytes: reads + writes).
+`targets` lists the goals of the "Native kernels" issue with the measured value and whether it is
+met. Each figure is the median of several timed repetitions after a warm-up (CUDA: synchronised).
+Machines are shared and noisy: compare ratios within one run, not across runs.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import ops, reference
 from .codecs import parse_spec
 from .feedback import ErrorFeedback
 from .rng import RandomKey
@@ -98,6 +111,135 @@ def bench_size(n: int, cases: list[str], budget_s: float) -> list[dict]:
     return rows
 
 
+# The goals of the "Native kernels" issue: (device type, goal, case, field, at least). Bandwidth
+# is bytes moved (read + written) per second, the op's `traffic` against the copy's 8 per element.
+TARGETS = [
+    ("cpu", "ef_topk_select 1% >= 5x its torch.topk reference", "ef_topk_select:0.01", "speedup", 5),
+    ("cpu", "ef_quantize 8-bit stochastic >= 50% memcpy bandwidth", "ef_quantize:8:stochastic",
+     "traffic_vs_copy", 0.5),
+    ("cpu", "ef_quantize 8-bit nearest >= 50% memcpy bandwidth", "ef_quantize:8:nearest",
+     "traffic_vs_copy", 0.5),
+    ("cuda", "ef_topk_select 0.1% >= 10x torch.topk", "ef_topk_select:0.001", "vs_torch_topk", 10),
+    ("cuda", "ef_topk_select 0.1% >= 50% copy bandwidth", "ef_topk_select:0.001",
+     "traffic_vs_copy", 0.5),
+    ("cuda", "ef_topk_select 1% >= 50% copy bandwidth", "ef_topk_select:0.01", "traffic_vs_copy",
+     0.5),
+    ("cuda", "ef_quantize 8-bit stochastic >= 50% copy bandwidth", "ef_quantize:8:stochastic",
+     "traffic_vs_copy", 0.5),
+    ("cuda", "ef_quantize 8-bit nearest >= 50% copy bandwidth", "ef_quantize:8:nearest",
+     "traffic_vs_copy", 0.5),
+    ("cuda", "dequantize_accumulate >= 50% copy bandwidth", "dequantize_accumulate:4x8bit",
+     "traffic_vs_copy", 0.5),
+]  # fmt: skip
+
+
+def bench_ops(n: int, device: torch.device, budget_s: float) -> tuple[list[dict], list[dict]]:
+    """Native ops beside their references on n fp32 elements. Returns (rows, targets)."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def seconds(fn: Callable[[], object], min_reps: int = 3) -> float:
+        def run() -> None:
+            fn()
+            sync()
+
+        return timeit(run, min_reps=min_reps, budget_s=budget_s)
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 3).to(device)
+    dst = torch.empty_like(x)
+    t_copy = seconds(lambda: dst.copy_(x))
+    rows = [{"n": n, "device": device.type, "case": "copy", "seconds": t_copy, "traffic": "8n"}]
+    t_topk = {}
+    for density in (0.01, 0.001):
+        k = max(1, int(density * n))
+        t_topk[density] = seconds(lambda k=k: torch.topk(x.abs(), k, sorted=False))
+        rows.append(
+            {
+                "n": n,
+                "device": device.type,
+                "case": f"torch.topk:{density}",
+                "seconds": t_topk[density],
+            }
+        )
+    native = {op for op, dev in ops.KERNELS if dev == device.type}
+    cl = torch.ops.cloudtrain if native else None
+
+    def row(case: str, op: str, traffic: int, traffic_doc: str, run_native, run_reference) -> dict:
+        r = {"n": n, "device": device.type, "case": case, "traffic": traffic_doc}
+        r["reference_seconds"] = seconds(run_reference, min_reps=2)
+        if op in native:
+            t = r["native_seconds"] = seconds(run_native)
+            r["speedup"] = r["reference_seconds"] / t
+            r["input_vs_copy"] = t_copy / t
+            r["traffic_vs_copy"] = (traffic / t) / (8 * n / t_copy)
+        rows.append(r)
+        return r
+
+    res_native, res_ref = torch.zeros_like(x), torch.zeros_like(x)
+    for density in (0.01, 0.001):
+        k = max(1, int(density * n))
+        r = row(
+            f"ef_topk_select:{density}",
+            "ef_topk_select",
+            12 * n,
+            "12n: grad, residual in and out",
+            lambda k=k: cl.ef_topk_select(x, res_native, k, False),
+            lambda k=k: reference.ef_topk_select(x, res_ref, k, False),
+        )
+        if "native_seconds" in r:
+            r["vs_torch_topk"] = t_topk[density] / r["native_seconds"]
+    key = RandomKey(seed=1, step=1)
+    for bits, stochastic in ((8, True), (8, False), (4, True), (1, False)):
+        rounding = "stochastic" if stochastic else "nearest"
+        row(
+            f"ef_quantize:{bits}:{rounding}",
+            "ef_quantize",
+            12 * n + n * bits // 8,
+            f"12n + {bits}n/8: grad, residual in and out, codes",
+            lambda b=bits, s=stochastic: cl.ef_quantize(
+                x, res_native, b, 512, s, key.private_seed()
+            ),
+            lambda b=bits, s=stochastic: reference.ef_quantize(
+                x, res_ref, b, 512, s, key.private(device) if s else None
+            ),
+        )
+    packets = [reference.ef_quantize(x * (i + 1), None, 8, 512, False) for i in range(4)]
+    out = torch.zeros_like(x)
+    row(
+        "dequantize_accumulate:4x8bit",
+        "dequantize_accumulate",
+        8 * n + 4 * n,
+        "8n + 4n: out in and out, 4 packets of 1 byte per element",
+        lambda: cl.dequantize_accumulate(
+            out, [p[0] for p in packets], [p[1] for p in packets], [p[2] for p in packets],
+            [8] * 4, 512,
+        ),
+        lambda: reference.dequantize_accumulate(out, packets, [8] * 4, 512),
+    )  # fmt: skip
+    k = max(1, n // 100)
+    pairs = [
+        (torch.randperm(n, generator=gen)[:k].sort().values.to(device), x[:k] * (i + 1))
+        for i in range(4)
+    ]
+    row(
+        "sparse_accumulate:4x0.01",
+        "sparse_accumulate",
+        4 * k * 16,
+        "16 bytes per sent value: index, value, out in and out",
+        lambda: cl.sparse_accumulate(out, [p[0] for p in pairs], [p[1] for p in pairs]),
+        lambda: reference.sparse_accumulate(out, pairs),
+    )
+
+    by_case = {r["case"]: r for r in rows}
+    targets = []
+    for device_type, name, case, field, goal in TARGETS:
+        if device_type == device.type:
+            value = by_case[case].get(field)
+            met = value is not None and value >= goal
+            targets.append({"target": name, "value": value, "goal": goal, "met": met})
+    return rows, targets
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
@@ -107,27 +249,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--budget", type=float, default=1.0, help="seconds of repetitions per figure"
     )
+    parser.add_argument("--device", default="cpu", help="device of the ops benchmark (cpu, cuda)")
+    parser.add_argument("--skip-codecs", action="store_true", help="only the native ops")
+    parser.add_argument("--skip-ops", action="store_true", help="only the codecs")
     parser.add_argument(
         "--json", action="store_true", help="print one JSON document instead of a table"
     )
     args = parser.parse_args(argv)
-    rows = []
+    device = torch.device(args.device)
+    rows, op_rows, targets = [], [], []
     for n in args.sizes:
-        rows += bench_size(n, args.cases, args.budget)
+        if not args.skip_codecs:
+            rows += bench_size(n, args.cases, args.budget)
+        if not args.skip_ops:
+            more, targets = bench_ops(n, device, args.budget)  # targets: of the largest size
+            op_rows += more
     report = {
         "machine": {
             "cpu": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         },
         "torch": torch.__version__,
+        "native": ops.NATIVE,
         "unit": "GB/s of fp32 input; ratio = input bytes / wire bytes",
         "rows": rows,
+        "ops": op_rows,
+        "targets": targets,
     }
     if args.json:
         print(json.dumps(report, indent=1))
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads - {report['unit']}")
-    print(f"{'n':>10} {'case':32} {'encode':>8} {'enc+EF':>8} {'decode':>8} {'ratio':>8}")
+    if rows:
+        print(f"{'n':>10} {'case':32} {'encode':>8} {'enc+EF':>8} {'decode':>8} {'ratio':>8}")
     for r in rows:
         cells = [
             f"{r[k]:8.2f}" if k in r else f"{'':8}"
@@ -135,6 +290,24 @@ def main(argv: list[str] | None = None) -> None:
         ]
         ratio = f"{r['ratio']:8.1f}" if "ratio" in r else ""
         print(f"{r['n']:>10} {r['case']:32} {' '.join(cells)} {ratio}")
+    if op_rows:
+        print(f"\nnative ops on {device} (seconds; ratios: see the module docstring)")
+        fields = (
+            "native_seconds",
+            "reference_seconds",
+            "speedup",
+            "input_vs_copy",
+            "traffic_vs_copy",
+        )
+        print(f"{'n':>10} {'case':32} " + " ".join(f"{f.split('_')[0][:9]:>9}" for f in fields))
+    for r in op_rows:
+        cells = [f"{r[f]:9.4g}" if f in r else f"{'':9}" for f in fields]
+        if r["case"] in ("copy",) or r["case"].startswith("torch.topk"):
+            cells[0] = f"{r['seconds']:9.4g}"
+        print(f"{r['n']:>10} {r['case']:32} {' '.join(cells)}")
+    for t in targets:
+        value = "n/a" if t["value"] is None else f"{t['value']:.2f}"
+        print(f"target: {t['target']}: {value} ({'met' if t['met'] else 'NOT met'})")
 
 
 if __name__ == "__main__":

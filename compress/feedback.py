@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .codecs import Codec, Level, check_finite, flat_float
+from .codecs import Codec, Level, all_finite, check_finite, flat_float
 from .packet import Packet
 from .rng import RandomKey
 
@@ -72,7 +72,7 @@ class ErrorFeedback:
         level = codec.check_level(level)
         random_key = random_key or RandomKey()
         residual = self.residual(key, x.numel(), x.device)
-        if x.numel() and not bool(torch.isfinite(x).all()):
+        if not all_finite(x):
             if codec.nonfinite == "raise":
                 check_finite(x)
             # pass: send x + residual as it is and leave the residual untouched

@@ -127,11 +127,14 @@ def sampled_topk(mag: torch.Tensor, k: int, sample_fraction: float = 0.01) -> to
 
 
 def _selection_magnitude(acc: torch.Tensor) -> torch.Tensor:
-    # NaN ranks above everything (as in torch.topk) so non-finite values are selected first,
-    # deterministically; the caller decides whether non-finite input is allowed at all.
+    # NaN ranks above everything, then Inf, then the finite values (the order of torch.topk), so
+    # non-finite values are selected first, deterministically; the caller decides whether
+    # non-finite input is allowed at all. With a NaN present the magnitudes move to float64,
+    # where NaN -> inf and Inf -> 2 * float32 max keep all three classes apart (nan_to_num alone
+    # would turn Inf into float32 max, tied with a finite value).
     mag = acc.abs()
     if mag.isnan().any():
-        mag = torch.nan_to_num(mag, nan=math.inf)
+        mag = mag.double().nan_to_num(nan=math.inf, posinf=2.0 * torch.finfo(torch.float32).max)
     return mag
 
 

@@ -2,7 +2,8 @@
 
 Random-k must pick the same indices on every rank (so none go on the wire): its generator comes
 from (seed, step, bucket). Stochastic rounding should be independent across ranks: its generator
-also mixes in the sending rank. Both are reproducible, so a resumed run repeats them exactly.
+(or, for the native kernels, the integer seed of their counter-based RNG) also mixes in the
+sending rank. Both are reproducible, so a resumed run repeats them exactly.
 """
 
 from __future__ import annotations
@@ -49,7 +50,12 @@ class RandomKey:
         """A CPU generator identical on every rank: (seed, step, bucket, stream)."""
         return torch.Generator().manual_seed(mix(self.seed, self.step, self.bucket, 0x5EED, stream))
 
+    def private_seed(self) -> int:
+        """The 63-bit integer behind `private`: (seed, step, bucket, rank). The native kernels key
+        their counter-based RNG with it (compress/ops.py), so their draws depend on the key and
+        the element index only, never on threads or scheduling."""
+        return mix(self.seed, self.step, self.bucket, 0x9A7E, self.rank)
+
     def private(self, device: torch.device | str = "cpu") -> torch.Generator:
         """A generator on `device` that differs per sending rank: (seed, step, bucket, rank)."""
-        seed = mix(self.seed, self.step, self.bucket, 0x9A7E, self.rank)
-        return torch.Generator(device=device).manual_seed(seed)
+        return torch.Generator(device=device).manual_seed(self.private_seed())

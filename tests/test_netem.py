@@ -251,6 +251,7 @@ x = torch.full((1 << 20,), float(rank + 1))  # 4 MiB
 dist.all_reduce(x)
 assert bool((x == 3).all()), x[:4]
 print("ok", os.environ["CLOUDTRAIN_REGION"])
+dist.destroy_process_group()  # leaving gloo's threads running at exit can abort the process
 """
     with Emulator({"us": 1, "eu": 1}, 100, name=unique_name()) as wan:
         before = wan.counters()
