@@ -50,38 +50,6 @@ SCENARIOS = ("wan", "unshaped", "hetero", "drop")
 # -- the worker: one rank of one method ----------------------------------------------------------
 
 
-def _digits(seed: int):
-    import torch
-
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as e:
-        raise SystemExit(
-            "cloudtrain bench needs scikit-learn: pip install 'cloudtrain[examples]'"
-        ) from e
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32)
-    y = torch.tensor(data.target, dtype=torch.int64)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    x, y = x[order], y[order]
-    n_train = int(0.8 * len(x))
-    mean, std = x[:n_train].mean(0), x[:n_train].std(0).clamp_min(1e-3)
-    x = (x - mean) / std
-    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
-
-
-def _model(hidden: int):
-    import torch
-
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, 10),
-    )
-
-
 def _wrap(method: str, model, world: int):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -116,6 +84,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     import cloudtrain
+    from cloudtrain.data import digits, digits_mlp
 
     torch.set_num_threads(1)
     if args.method == "compute":  # no process group: nothing but this rank's own work
@@ -126,8 +95,8 @@ def worker(args: argparse.Namespace) -> int:
 
         rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    x_train, y_train, x_test, y_test = _digits(args.seed)
-    model = _model(args.hidden)
+    x_train, y_train, x_test, y_test = digits(args.seed)
+    model = digits_mlp(args.hidden)
     ddp = _wrap(args.method, model, world)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     batches = torch.Generator().manual_seed(args.seed + 1)

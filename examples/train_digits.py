@@ -34,33 +34,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from tqdm import tqdm
 
 import cloudtrain
-
-
-def digits_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Standardized digits, split 80/20 by a fixed permutation: (x_train, y_train, x_test, y_test)."""
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32)  # (1797, 64)
-    y = torch.tensor(data.target, dtype=torch.int64)  # (1797,)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    x, y = x[order], y[order]
-    n_train = int(0.8 * len(x))
-    mean, std = x[:n_train].mean(0), x[:n_train].std(0).clamp_min(1e-3)
-    x = (x - mean) / std
-    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
-
-
-def make_model(hidden: int = 256) -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, 10),
-    )
+from cloudtrain.data import digits, digits_mlp
 
 
 def wrap(model: torch.nn.Module, config: str, regions: str) -> torch.nn.Module:
@@ -90,9 +67,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be divisible by the {world} processes")
-    x_train, y_train, x_test, y_test = digits_data(args.seed)
+    x_train, y_train, x_test, y_test = digits(args.seed)
     torch.manual_seed(args.seed)  # the same initial weights whatever the config
-    model = wrap(make_model(), args.config, args.regions)
+    model = wrap(digits_mlp(), args.config, args.regions)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     batches = torch.Generator().manual_seed(args.seed + 1)  # same global batches on every rank

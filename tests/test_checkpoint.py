@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import socket
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from support import assert_same, fake_aws_env
 from torch import nn
 
 from cloudtrain.checkpoint import (
@@ -35,33 +34,14 @@ from cloudtrain.checkpoint import (
 )
 
 
-@pytest.fixture(scope="module")
-def s3_url() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 @pytest.fixture
-def aws(monkeypatch, s3_url: str) -> str:
+def aws(monkeypatch, moto_url: str) -> str:
     """Dummy credentials, no real AWS reachable: config files and instance metadata off."""
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_CONFIG_FILE": os.devnull,
-        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-    }.items():
+    for name, value in fake_aws_env(moto_url).items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-    return s3_url
+    return moto_url
 
 
 class Store:
@@ -130,22 +110,6 @@ def _trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def _assert_same(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
-        assert torch.equal(a, b), f"{where}: tensors differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys differ"
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 def _save(ckpt: Checkpointer, step: int, seed: int = 0) -> None:
     model, optimizer = _trained(seed)
     ckpt.save(step, model=model, optimizer=optimizer, comm_state={"seed": seed})
@@ -168,15 +132,15 @@ def test_round_trip(store: Store) -> None:
     assert ckpt.latest_step() == 12
     state = store.checkpointer().load()
     assert state["step"] == 12 and state["world_size"] == 1
-    _assert_same(state["model"], model.state_dict(), "model")
-    _assert_same(state["optimizer"], optimizer.state_dict(), "optimizer")
-    _assert_same(state["comm_state"], comm_state, "comm_state")
-    _assert_same(state["extra"], extra, "extra")
+    assert_same(state["model"], model.state_dict(), "model")
+    assert_same(state["optimizer"], optimizer.state_dict(), "optimizer")
+    assert_same(state["comm_state"], comm_state, "comm_state")
+    assert_same(state["extra"], extra, "extra")
 
     fresh, fresh_opt = _trained(seed=1)
     fresh.load_state_dict(state["model"])
     fresh_opt.load_state_dict(state["optimizer"])
-    _assert_same(fresh_opt.state_dict(), optimizer.state_dict(), "optimizer after restore")
+    assert_same(fresh_opt.state_dict(), optimizer.state_dict(), "optimizer after restore")
 
 
 def test_layout_and_manifest(store: Store) -> None:
@@ -345,7 +309,7 @@ def test_multipart_upload(aws: str) -> None:
     ckpt.save(1, model=weights)
     etag = client.head_object(Bucket="big", Key=f"run/{step_dir(1)}/model.pt")["ETag"]
     assert etag.strip('"').endswith("-3"), f"not a 3-part upload: ETag {etag}"
-    _assert_same(ckpt.load()["model"], weights)
+    assert_same(ckpt.load()["model"], weights)
 
 
 # ------------------------------------------------------------------- 2 ranks, real gloo

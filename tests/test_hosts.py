@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import fake_aws_env
 
 from cloudtrain.cli import main
 from cloudtrain.hosts import (
@@ -146,30 +146,11 @@ def test_missing_file(capsys, tmp_path) -> None:
 # ----------------------------------------------------------------------------------- EC2
 
 
-@pytest.fixture(scope="module")
-def moto_url() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 @pytest.fixture
 def aws(monkeypatch, moto_url: str) -> str:
-    """Dummy credentials; EC2 is moto's server, and no real AWS is reachable."""
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_CONFIG_FILE": os.devnull,
-        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-        "AWS_ENDPOINT_URL_EC2": moto_url,  # boto3 reads it: no endpoint option in cloudtrain
-    }.items():
+    """Dummy credentials; EC2 is moto's server (boto3 reads AWS_ENDPOINT_URL_EC2: there is no
+    endpoint option in cloudtrain), and no real AWS is reachable."""
+    for name, value in fake_aws_env(moto_url, "EC2").items():
         monkeypatch.setenv(name, value)
     return moto_url
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import assert_same, fake_aws_env
 
 from cloudtrain.checkpoint import Checkpointer
 from cloudtrain.spot import (
@@ -216,30 +217,6 @@ def test_guard_without_distributed_is_local(imds: FakeIMDS) -> None:
 # ----------------------------------------------------------- preempt, checkpoint, resume
 
 
-@pytest.fixture(scope="module")
-def s3_url() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-def _aws_env(s3_url: str) -> dict[str, str]:
-    return {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_CONFIG_FILE": os.devnull,
-        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-        "AWS_ENDPOINT_URL_S3": s3_url,
-    }
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -290,24 +267,8 @@ def _finish(procs: list[subprocess.Popen], timeout_s: float = 120) -> list[str]:
     return outputs
 
 
-def _assert_same(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
-        assert torch.equal(a, b), f"{where}: tensors differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys differ"
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 def test_preempted_run_resumes_bit_identical(
-    tmp_path, monkeypatch, imds: FakeIMDS, other_imds: FakeIMDS, s3_url: str
+    tmp_path, monkeypatch, imds: FakeIMDS, other_imds: FakeIMDS, moto_url: str
 ) -> None:
     """2 ranks on two "instances", each with its own metadata service; 10 steps, checkpoint
     every 3. Run A goes straight through. In run B only rank 1's instance gets a notice, after
@@ -316,7 +277,7 @@ def test_preempted_run_resumes_bit_identical(
     state, per-rank comm state and RNG must be equal bit for bit."""
     import boto3
 
-    env = _aws_env(s3_url)
+    env = fake_aws_env(moto_url, "S3")
     instances = [{IMDS_ENDPOINT_ENV: other_imds.url}, {IMDS_ENDPOINT_ENV: imds.url}]
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -352,7 +313,7 @@ def test_preempted_run_resumes_bit_identical(
     saved = [checkpointer.load(rank=r, world_size=2) for r in range(2)]
     assert [(s["step"], s["world_size"]) for s in saved] == [(4, 2), (4, 2)]
     with pytest.raises(AssertionError):  # each rank got its own shard back
-        _assert_same(saved[0]["comm_state"], saved[1]["comm_state"])
+        assert_same(saved[0]["comm_state"], saved[1]["comm_state"])
 
     imds.notice = None
     outputs = _finish(
@@ -372,12 +333,12 @@ def test_preempted_run_resumes_bit_identical(
     for rank in range(2):
         a = torch.load(tmp_path / "a" / f"rank-{rank}.pt", weights_only=True)
         c = torch.load(tmp_path / "c" / f"rank-{rank}.pt", weights_only=True)
-        _assert_same(a, c, f"rank {rank}")
+        assert_same(a, c, f"rank {rank}")
         finals[rank] = a
     # CloudDDP's error-feedback residuals were saved, restored and continued exactly.
     assert all(float(r.abs().sum()) > 0 for r in finals[0]["comm_state"]["residuals"].values())
     assert finals[0]["comm_state"]["step"] == 10
     # Replicas agree, while the per-rank state really is per rank.
-    _assert_same(finals[0]["model"], finals[1]["model"], "replicas")
+    assert_same(finals[0]["model"], finals[1]["model"], "replicas")
     with pytest.raises(AssertionError):
-        _assert_same(finals[0]["comm_state"], finals[1]["comm_state"])
+        assert_same(finals[0]["comm_state"], finals[1]["comm_state"])

@@ -1,0 +1,40 @@
+"""Small helpers shared by test files (import as `from support import ...`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Nested dicts/lists/tuples of tensors and plain values are equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
+        assert torch.equal(a, b), f"{where}: tensors differ"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys differ"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def fake_aws_env(moto_url: str, *services: str) -> dict[str, str]:
+    """Dummy credentials, config files and instance metadata off, and `services` (e.g. "S3",
+    "EC2") pointed at moto through boto3's AWS_ENDPOINT_URL_<SERVICE>: no real AWS reachable."""
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    }
+    env.update({f"AWS_ENDPOINT_URL_{service}": moto_url for service in services})
+    return env
