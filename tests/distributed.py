@@ -11,6 +11,7 @@ left). With allow_failures, failed ranks give a RankFailed in their place instea
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -45,7 +46,11 @@ def _child(fn, rank, world, port, env, args, results) -> None:
 
         torch.set_num_threads(1)
         out = fn(rank, world, *args)
-        results.put((rank, True, out))
+        # as bytes: a tensor sent as is travels as a file descriptor, which is gone once this
+        # process exits - possibly before the parent has read it
+        buffer = io.BytesIO()
+        torch.save(out, buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -56,6 +61,12 @@ def _child(fn, rank, world, port, env, args, results) -> None:
                 dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _load(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def run_ranks(
@@ -100,7 +111,7 @@ def run_ranks(
                         f"ranks {missing} did not finish within {timeout}s"
                     ) from None
                 continue
-            out[rank] = value if ok else RankFailed(rank, value)
+            out[rank] = _load(value) if ok else RankFailed(rank, value)
             if not ok and not allow_failures:
                 raise out[rank]
     finally:
