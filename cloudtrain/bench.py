@@ -131,6 +131,7 @@ def worker(args: argparse.Namespace) -> int:
             result["comm_ms_per_step"] = {k: 1000 * v / args.steps for k, v in seconds}
             if comm.controller is not None:
                 result["plans"] = [(h["step"], h["levels"]) for h in comm.controller.history]
+                result["decisions"] = [h["text"] for h in comm.controller.history]
             else:
                 result["plans"] = [(0, [f"{n}:{lv}" for n, lv in comm.plan.senders])]
         print("RESULT " + json.dumps(result), flush=True)
@@ -154,6 +155,7 @@ class Run:
     plans: list | None
     step_times: list
     comm_ms: dict | None = None
+    decisions: list | None = None
 
 
 def _worker_argv(method: str, args: argparse.Namespace) -> list[str]:
@@ -236,6 +238,7 @@ def _run_method(
         result.get("plans"),
         result["step_times"],
         result.get("comm_ms_per_step"),
+        result.get("decisions"),
     )
 
 
@@ -262,7 +265,7 @@ def _plot(runs: list[Run], path: Path, title: str) -> bool:
     ax.set_xscale("log")
     ax.set_xlabel("training time per rank (s, log)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -323,6 +326,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             "accuracy": run.accuracy,
             "plans": run.plans,
             "comm_ms_per_step": run.comm_ms,
+            "controller_decisions": run.decisions,
             "curve": run.curve,
             "step_times_ms": [1000 * t for t in run.step_times],
         }
@@ -335,16 +339,18 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "global_batch": args.batch,
         "ranks": len(regions),
+        "drop_at": args.drop_at if args.scenario == "drop" else None,
         "rows": rows,
     }
     if args.scenario == "drop" and compute:
-        report["drop"] = _recovery(rows, compute.step_ms, args.drop_at)
+        report["drop"] = _recovery(rows, compute.step_ms, args.drop_at, args.warmup)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"bench-{args.scenario}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
     report["json"] = str(stem.with_suffix(".json"))
-    if _plot(runs, stem.with_suffix(".png"), f"{args.scenario}: {network.split(';')[0]}"):
+    title = f"{args.scenario}: {netem_describe(rates) if wan is not None else 'loopback'}"
+    if _plot(runs, stem.with_suffix(".png"), title):
         report["plot"] = str(stem.with_suffix(".png"))
     return report
 
@@ -355,19 +361,29 @@ def netem_describe(rates: dict[str, float] | None) -> str:
     return "region uplinks " + ", ".join(f"{r} {m:g} Mbit/s" for r, m in rates.items())
 
 
-def _recovery(rows: list[dict[str, Any]], compute_ms: float, drop_at: int) -> dict[str, Any]:
-    """Steps after the drop until a 5-step rolling median is back within 1.5x compute only."""
+def _recovery(
+    rows: list[dict[str, Any]], compute_ms: float, drop_at: int, warmup: int
+) -> dict[str, Any]:
+    """How each method took the drop: step time before (median), the worst 5-step rolling
+    median after, and the steps after the drop until the rolling median is back within 1.5x
+    compute only (the target) and within 1.2x of its own time before the drop."""
     out = {}
     for row in rows:
         if row["method"] == "compute":
             continue
         times = row["step_times_ms"]
-        back = None
-        for s in range(drop_at, len(times) - 4):
-            if statistics.median(times[s : s + 5]) <= 1.5 * compute_ms:
-                back = s - drop_at
-                break
-        out[row["method"]] = {"steps_to_recover": back, "limit_ms": 1.5 * compute_ms}
+        before = statistics.median(times[warmup:drop_at]) if drop_at > warmup else None
+        rolling = [statistics.median(times[s : s + 5]) for s in range(drop_at, len(times) - 4)]
+        out[row["method"]] = {
+            "before_ms": before,
+            "worst_after_ms": max(rolling) if rolling else None,
+            "steps_to_1.5x_compute": next(
+                (k for k, t in enumerate(rolling) if t <= 1.5 * compute_ms), None
+            ),
+            "steps_to_1.2x_before": next(
+                (k for k, t in enumerate(rolling) if before and t <= 1.2 * before), None
+            ),
+        }
     return out
 
 
@@ -399,7 +415,10 @@ def print_table(report: dict[str, Any]) -> None:
     if "drop" in report:
         for method, info in report["drop"].items():
             print(
-                f"  after the drop {method}: back within 1.5x compute only after {info['steps_to_recover']} steps"
+                f"  drop at step {report['drop_at']}, {method}: {info['before_ms']:.0f} ms/step "
+                f"before, worst {info['worst_after_ms']:.0f} after; back within 1.5x compute only "
+                f"after {info['steps_to_1.5x_compute']} steps, within 1.2x of before after "
+                f"{info['steps_to_1.2x_before']} steps (None: not within the run)"
             )
     print(
         f"report: {report.get('json')}" + (f", plot: {report['plot']}" if "plot" in report else "")

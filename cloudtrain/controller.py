@@ -10,7 +10,8 @@ Per sender region, every `interval` steps (Kimad's rule, budget = bandwidth x ti
 The ladder runs from no compression through 16-bit, 8- and 4-bit quantization to top-k 10%, 1%,
 0.1% and 0.01% with 8-bit values. Bandwidth starts from the active probe (cloudtrain.probe) and
 follows the real transfers: each owner times every packet it receives, and the controller keeps
-an EWMA of each sender's achieved bytes/second. While nothing is compressed (the step's gradients
+an estimate of each sender's achieved bytes/second that follows a drop at once and a rise
+smoothly (EWMA). While nothing is compressed (the step's gradients
 cross as one plain all-reduce, with no packets to time), the region leaders re-probe their links
 at every decision instead. A rung's cost is its bytes over the bandwidth plus the CPU time its
 encoding and decoding take (timed once at start, `calibrate`). Hysteresis keeps it from flapping: it compresses
@@ -68,6 +69,8 @@ class ControllerOptions:
     """A lighter rung 'fits with margin' when it needs at most this share of the budget."""
     ewma: float = 0.5
     """Weight of the newest bandwidth measurement."""
+    slack: float = 0.2
+    """When no rung fits: the lightest within this share of the fastest rung's time."""
     ladder: tuple[tuple[str, Any], ...] = LADDER
     initial_compute_s: float = 0.1
     """Compute time per step assumed until the first one is measured."""
@@ -85,6 +88,8 @@ class ControllerOptions:
             raise ValueError(f"margin={self.margin!r} must be in (0, 1]")
         if not 0 < self.ewma <= 1:
             raise ValueError(f"ewma={self.ewma!r} must be in (0, 1]")
+        if not 0 <= self.slack <= 10:
+            raise ValueError(f"slack={self.slack!r} must be in [0, 10]")
         if not self.initial_compute_s > 0:
             raise ValueError(f"initial_compute_s={self.initial_compute_s!r} must be positive")
         if not self.ladder:
@@ -157,7 +162,8 @@ def plan_levels(
 
     A rung's time is bytes / bandwidth + its CPU and extra time; it fits when that is within the
     time the exchange can stay hidden, minus half a round trip per bucket. When no rung fits, the
-    fastest one is taken. Returns (rungs, streaks, budgets in bytes per step).
+    lightest one within `slack` of the fastest is taken. Returns (rungs, streaks, budgets in
+    bytes per step).
     """
     options = options or ControllerOptions()
     if not (math.isfinite(compute_time) and compute_time > 0):
@@ -184,14 +190,23 @@ def plan_levels(
         # packets of one bucket cross at once, so each exchange costs about half a round trip
         usable = max(allowed - len(shard_numels) * link.rtt / 2, allowed / 10)
         times = [size / link.bandwidth + c for size, c in zip(sizes, cost, strict=True)]
-        if none_seconds is not None and ladder[0][0] == "none":
-            times[0] = none_seconds
-        fastest = min(range(len(times)), key=times.__getitem__)
-        fits = next((i for i, t in enumerate(times) if t <= usable), fastest)
-        roomy = next((i for i, t in enumerate(times) if t <= options.margin * usable), fastest)
-        if fits > now:  # the current rung no longer fits: compress more, now
+        if ladder[0][0] == "none":
+            # uncompressed, a step's gradients cross as one plain (ring) all-reduce, which moves
+            # every byte twice; measured, where the last interval ran it
+            times[0] = none_seconds if none_seconds is not None else 2 * sizes[0] / link.bandwidth
+        fits = next((i for i, t in enumerate(times) if t <= usable), None)
+        roomy = next((i for i, t in enumerate(times) if t <= options.margin * usable), None)
+        if fits is None:
+            # nothing fits: more compression is worth its accuracy only while it still saves
+            # time - stay within `slack` of the fastest rung, on the lightest such rung
+            best = min(times) * (1 + options.slack)
+            choice = (
+                now if times[now] <= best else next(i for i, t in enumerate(times) if t <= best)
+            )
+            run = 0
+        elif fits > now:  # the current rung no longer fits: compress more, now
             choice, run = fits, 0
-        elif roomy < now:  # a lighter rung fits with room: only after `patience` such decisions
+        elif roomy is not None and roomy < now:  # lighter with room: after `patience` decisions
             run += 1
             choice, run = (roomy, 0) if run >= options.patience else (now, run)
         else:
@@ -203,21 +218,26 @@ def plan_levels(
 
 
 def passive_bandwidth(
-    samples: Sequence[tuple[int, float]], latency: float, significant: float = 0.002
+    samples: Sequence[tuple[int, float]],
+    latency: float,
+    current: float | None = None,
+    significant: float = 0.002,
 ) -> float | None:
     """Bytes/s of a sender from (bytes, seconds) arrivals of its packets, or None if they say
     nothing about bandwidth.
 
     Waiting for a late sender only ever adds time, so packets of one size count with their
-    fastest arrival; the latency is taken off. If the transfers took under `significant` seconds
-    in all, latency and scheduling noise dominate them: small packets cannot show bandwidth (and
-    must not shrink the estimate, or the controller would compress ever more).
+    fastest arrival; the latency is taken off. Transfers that took under `significant` seconds
+    in all are latency and scheduling noise, and so are packets that small at the `current`
+    estimate unless they came in ten times slower than that: small packets cannot show
+    bandwidth, and must not shrink the estimate, or the controller would compress ever more.
     """
     fastest: dict[int, float] = {}
     for nbytes, seconds in samples:
         fastest[nbytes] = min(seconds, fastest.get(nbytes, math.inf))
     moving = sum(max(t - latency, 0.0) for t in fastest.values())
-    if moving < significant:
+    expected = sum(fastest) / current if current else math.inf
+    if moving < significant or (expected < significant and moving < 10 * significant):
         return None
     return min(max(sum(fastest) / moving, MIN_BANDWIDTH), MAX_BANDWIDTH)
 
@@ -240,6 +260,7 @@ class Controller:
     """Plans levels for CloudDDP's "auto" config (module docstring)."""
 
     FIRST_DECISION = 2  # the first step whose compute time was measured is step 1
+    STALE_DECISIONS = 6  # decisions without a usable measurement of a link before re-probing
 
     def __init__(
         self, config: Any, topo: Any, shard_numels: Sequence[int], device: Any = "cpu"
@@ -260,7 +281,9 @@ class Controller:
         self.cpu_per_element = self.calibrate(shard_numels, device)
         self.seconds_seen: dict[str, float] = {}  # the comm thread's stage times, cumulative
         self.intra_s: float | None = None  # dense reduce + gather inside regions, per step
-        self.allreduce_s: float | None = None  # the plain all-reduce of uncompressed steps
+        self.allreduce_s: float | None = None  # the last interval's plain all-reduce, per step
+        self.unmeasured = [0] * regions  # decisions since each region's link was last measured
+        self.reprobe = False  # the leaders measure the links at the next decision
         if topo.links is not None:
             self.seed_from_probe(topo.links, shard_numels)
 
@@ -345,10 +368,11 @@ class Controller:
         mine = {"compute": list(self.obs.compute), "received": dict(self.obs.received)}
         mine["stage_seconds"] = self._stage_seconds(state)
         self.obs.clear()
-        if self.lossless and self.topo.local_index == 0:
-            # no packets cross regions to time: the region leaders measure the links instead
+        if (self.lossless or self.reprobe) and self.topo.local_index == 0:
+            # no packets cross regions to time, or they have been too small to tell for a while:
+            # the region leaders measure the links instead (briefly)
             mine["leader_links"] = probe(
-                self.topo.group("leaders"), max_seconds=0.02, max_bytes=1 << 20
+                self.topo.group("leaders"), max_seconds=0.01, max_bytes=1 << 20, repeats=2
             ).beta
         gathered: list[Any] = [None] * self.topo.world_size
         dist.all_gather_object(gathered, mine, group=group)
@@ -356,7 +380,7 @@ class Controller:
         if self.topo.rank == 0:
             decision[0] = self._decide(step, gathered, state)
         dist.broadcast_object_list(decision, src=0, group=group)
-        rungs, streak, bandwidth, compute_time, record = decision[0]
+        rungs, streak, bandwidth, compute_time, self.reprobe, record = decision[0]
         changed = rungs != self.rungs
         self.rungs, self.streak, self.bandwidth, self.compute_time = (
             rungs,
@@ -379,6 +403,16 @@ class Controller:
         self.seconds_seen = now
         return spent
 
+    def _intra_guess(self, shard_numels: Sequence[int]) -> float:
+        """Seconds per step of the dense reduce-scatter and all-gather inside regions, from the
+        probed links: each moves about the whole bucket (fp32) once."""
+        links, topo = self.topo.links, self.topo
+        pairs = [(i, j) for m in topo.members for i in m for j in m if i != j]
+        if links is None or not pairs:
+            return 0.0
+        slowest = min(links.beta[i][j] for i, j in pairs)
+        return 2 * 4 * sum(shard_numels) * topo.shards / slowest
+
     @property
     def lossless(self) -> bool:
         """No region compresses: the exchange is one plain all-reduce."""
@@ -398,13 +432,15 @@ class Controller:
                 bandwidth[r] = min(max(slowest / self.topo.shards, MIN_BANDWIDTH), MAX_BANDWIDTH)
         for region in range(len(bandwidth)):
             samples = [s for g in gathered for s in g["received"].get(region, [])]
-            measured = passive_bandwidth(samples, self.rtt[region] / 2)
+            measured = passive_bandwidth(samples, self.rtt[region] / 2, bandwidth[region])
             if measured is None:
+                self.unmeasured[region] += 1
                 continue
+            self.unmeasured[region] = 0
             old = bandwidth[region]
-            bandwidth[region] = (
-                measured if old is None else opts.ewma * measured + (1 - opts.ewma) * old
-            )
+            # a drop counts at once (the link is slow now); a rise is smoothed
+            rise = old is not None and measured > old
+            bandwidth[region] = opts.ewma * measured + (1 - opts.ewma) * old if rise else measured
         # what the dense parts cost per step (rank 0's view), where this interval ran them
         stages = gathered[0].get("stage_seconds", {})
         intra = stages.get("intra_reduce", 0.0) + stages.get("intra_gather", 0.0)
@@ -414,22 +450,20 @@ class Controller:
                 if self.intra_s is None
                 else opts.ewma * intra + (1 - opts.ewma) * self.intra_s
             )
-        if stages.get("allreduce", 0.0) > 0:
-            ar = stages["allreduce"]
-            self.allreduce_s = (
-                ar
-                if self.allreduce_s is None
-                else opts.ewma * ar + (1 - opts.ewma) * self.allreduce_s
-            )
-        # compressed rungs also pay for the reduction inside regions; until it has been seen, a
-        # plain all-reduce's time stands in for it (on gloo they cost about the same)
-        overhead = self.intra_s if self.intra_s is not None else (self.allreduce_s or 0.0)
+        if probed is not None:
+            self.unmeasured = [0] * len(bandwidth)
+        reprobe = max(self.unmeasured) >= self.STALE_DECISIONS
+        # an uncompressed interval's plain all-reduce is the measured time of the "none" rung
+        self.allreduce_s = stages.get("allreduce") or None
+        # compressed rungs also pay for the reduction inside regions: measured once they ran,
+        # until then estimated from the probed links inside regions
+        shard_numels = state.shard_numels()
+        overhead = self.intra_s if self.intra_s is not None else self._intra_guess(shard_numels)
         extra = [0.0 if name == "none" else overhead for name, _ in opts.ladder]
         links = [
             LinkEstimate(b if b is not None else MAX_BANDWIDTH, r)
             for b, r in zip(bandwidth, self.rtt, strict=True)
         ]
-        shard_numels = state.shard_numels()
         rungs, streak, budgets = plan_levels(
             links,
             compute_time,
@@ -462,7 +496,7 @@ class Controller:
             "allreduce_s": self.allreduce_s,
             "text": text,
         }
-        return rungs, streak, bandwidth, compute_time, record
+        return rungs, streak, bandwidth, compute_time, reprobe, record
 
     # -- state and metrics -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ def test_ladder_gets_smaller_at_every_rung():
     "mbit,compute_s,expect",
     [
         (10_000, 0.2, "none:None"),  # a fast link: no lossy compression at all
-        (5_000, 0.2, "none:None"),  # intra-zone profile
+        (5_000, 0.2, "bf16:None"),  # intra-zone profile: a plain all-reduce moves bytes twice
         (3_000, 0.2, "bf16:None"),
         (2_000, 0.2, "quant:8"),
         (800, 0.2, "quant:4"),
@@ -52,11 +52,16 @@ def test_the_lightest_rung_that_fits(mbit, compute_s, expect):
     rungs, _, budgets = plan_levels([LinkEstimate(mbit * MBIT, 0.0)] * 2, compute_s, SHARDS)
     assert rungs[0] == rungs[1]
     assert level_name(rungs[0]) == expect
-    # it fits (unless nothing does), and the rung before it would not
+
+    # it fits (unless nothing does), and the rung before it would not (uncompressed, a plain
+    # all-reduce moves every byte twice)
+    def needs(rung: int) -> int:
+        return rung_bytes(LADDER[rung], SHARDS, 1) * (2 if LADDER[rung][0] == "none" else 1)
+
     if rungs[0] < len(LADDER) - 1:
-        assert rung_bytes(LADDER[rungs[0]], SHARDS, 1) <= budgets[0]
+        assert needs(rungs[0]) <= budgets[0]
     if rungs[0] > 0:
-        assert rung_bytes(LADDER[rungs[0] - 1], SHARDS, 1) > budgets[0]
+        assert needs(rungs[0] - 1) > budgets[0]
 
 
 def test_budget_is_bandwidth_times_hidden_time_minus_round_trips():
@@ -157,6 +162,12 @@ def test_passive_bandwidth_ignores_waiting_and_tiny_packets():
     # tiny packets: the time is latency and noise, not bandwidth
     assert passive_bandwidth([(1_000, 0.0011)] * 5, latency=0.001) is None
     assert passive_bandwidth([], latency=0.0) is None
+    # 2 KB packets on a link thought to be 100 Mbit/s: 5 ms is a late sender, not a slow link...
+    assert passive_bandwidth([(2_000, 0.005)], latency=0.0, current=100 * MBIT) is None
+    # ...but 60 ms is a link that fell: it counts
+    assert passive_bandwidth([(2_000, 0.060)], latency=0.0, current=100 * MBIT) == pytest.approx(
+        2_000 / 0.060
+    )
 
 
 def test_fit_link_recovers_latency_and_bandwidth():
@@ -200,3 +211,43 @@ def test_clustering_recovers_regions(groups):
 def test_uniform_links_are_one_region():
     assert cluster_regions(_matrix([0, 1, 2, 3], fast=1e9, slow=1e9)) == [0, 0, 0, 0]
     assert cluster_regions(_matrix([0, 0, 1, 1], fast=1e9, slow=5e8)) == [0, 0, 0, 0]  # 2x: noise
+
+
+def test_cpu_cost_of_a_rung_counts():
+    """On a CPU, top-k 10% can cost more to encode and decode than 1%: the cheaper one wins."""
+    link = [LinkEstimate(500 * MBIT, 0.0)]
+    plain, _, _ = plan_levels(link, 0.2, SHARDS)
+    assert level_name(plain[0]) == "topk-sampled>quant:(0.1, 8)"
+    cpu = [0.0, 0.002, 0.01, 0.01, 0.09, 0.01, 0.008, 0.008]  # seconds per step, by rung
+    costly, _, _ = plan_levels(link, 0.2, SHARDS, cpu_seconds=cpu)
+    assert level_name(costly[0]) == "topk-sampled>quant:(0.01, 8)"
+
+
+def test_when_nothing_fits_compression_stops_where_it_stops_paying():
+    """A fixed cost no rung can avoid (the dense reduction inside regions) dwarfs the budget: the
+    most compressed rung would save almost nothing over a lighter one, so the lighter one wins."""
+    link = [LinkEstimate(100 * MBIT, 0.0)]
+    overhead = [0.0] + [0.5] * (len(LADDER) - 1)
+    rungs, _, _ = plan_levels(link, 0.05, SHARDS, extra_seconds=overhead)
+    times = [
+        rung_bytes(r, SHARDS, 1) / (100 * MBIT) + o for r, o in zip(LADDER, overhead, strict=True)
+    ]
+    assert times[rungs[0]] <= 1.2 * min(times)
+    assert rungs[0] < len(LADDER) - 1, "not the most compressed rung"
+    strict, _, _ = plan_levels(
+        link, 0.05, SHARDS, options=ControllerOptions(slack=0.0), extra_seconds=overhead
+    )
+    assert strict[0] == min(range(len(times)), key=times.__getitem__)
+
+
+def test_measured_uncompressed_time_decides_for_none():
+    """A plain all-reduce measured fast enough keeps the link uncompressed whatever the bandwidth
+    estimate says, and one measured too slow leaves it."""
+    link = [LinkEstimate(200 * MBIT, 0.0)]  # an estimate that alone would compress
+    overhead = [0.0] + [0.03] * (len(LADDER) - 1)
+    fast, _, _ = plan_levels(link, 0.2, SHARDS, extra_seconds=overhead, none_seconds=0.02)
+    assert fast == [0]
+    slow, _, _ = plan_levels(link, 0.2, SHARDS, extra_seconds=overhead, none_seconds=0.5)
+    assert slow[0] > 0
+    with pytest.raises(ValueError, match="cpu_seconds: one non-negative"):
+        plan_levels(link, 0.2, SHARDS, cpu_seconds=[0.0])
