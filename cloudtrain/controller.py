@@ -1,22 +1,28 @@
 """The adaptive controller: each region's shard owners compress exactly as much as their link
 needs, and fast links not at all.
 
-Per sender region, every `interval` steps (Kimad's rule, budget = bandwidth x time):
+Every `interval` steps, per sender region (Kimad's rule, budget = bandwidth x time):
 
     time the exchange may take   T = hidden_fraction x compute time of a step
-    bytes it may send            B = bandwidth x max(T - exchanges x rtt / 2, T / 10)
-    level                        the lightest rung of the ladder whose bytes per step fit B
+                                     - half a round trip per bucket (at least T / 10)
+    time a rung takes            bytes / bandwidth + its encode/decode CPU time
+                                     + (compressed rungs) the dense reduction inside regions
+    level                        the lightest rung of the ladder whose time fits T
 
 The ladder runs from no compression through 16-bit, 8- and 4-bit quantization to top-k 10%, 1%,
-0.1% and 0.01% with 8-bit values. Bandwidth starts from the active probe (cloudtrain.probe) and
-follows the real transfers: each owner times every packet it receives, and the controller keeps
-an estimate of each sender's achieved bytes/second that follows a drop at once and a rise
-smoothly (EWMA). While nothing is compressed (the step's gradients
-cross as one plain all-reduce, with no packets to time), the region leaders re-probe their links
-at every decision instead. A rung's cost is its bytes over the bandwidth plus the CPU time its
-encoding and decoding take (timed once at start, `calibrate`). Hysteresis keeps it from flapping: it compresses
-more at once when the current rung no longer fits, but compresses less only after `patience`
-decisions in a row in which the lighter rung fits with `margin` to spare.
+0.1% and 0.01% with 8-bit values. Without compression a step's gradients cross as one plain
+all-reduce (a hierarchy buys nothing then), which moves every byte twice; its measured time
+stands in where the last interval ran it. When no rung fits, more compression is worth its
+accuracy only while it still saves time: the lightest rung within `slack` of the fastest.
+
+Measurements: bandwidth starts from the active probe (cloudtrain.probe) and follows the real
+transfers - each owner times every packet it receives; a drop counts at once, a rise is smoothed
+(EWMA), packets too small to show bandwidth are ignored, and links left unmeasured for a while
+are re-probed briefly by the region leaders. CPU time per rung is timed once at start
+(`calibrate`); compute time and the dense reduction's cost come from the running steps.
+Hysteresis keeps the plan from flapping: more compression at once when the current rung no
+longer fits, less only after `patience` decisions in a row in which a lighter rung fits with
+`margin` to spare.
 
 The decision is made on rank 0 from everyone's observations (gathered) and broadcast, so every
 rank uses the same plan - and so knows every packet's size. `plan_levels` is the pure function
@@ -261,6 +267,7 @@ class Controller:
 
     FIRST_DECISION = 2  # the first step whose compute time was measured is step 1
     STALE_DECISIONS = 6  # decisions without a usable measurement of a link before re-probing
+    COMPRESSED_STAGES = ("intra_reduce", "encode", "exchange", "decode", "intra_gather")
 
     def __init__(
         self, config: Any, topo: Any, shard_numels: Sequence[int], device: Any = "cpu"
@@ -281,7 +288,9 @@ class Controller:
         self.cpu_per_element = self.calibrate(shard_numels, device)
         self.seconds_seen: dict[str, float] = {}  # the comm thread's stage times, cumulative
         self.intra_s: float | None = None  # dense reduce + gather inside regions, per step
-        self.allreduce_s: float | None = None  # the last interval's plain all-reduce, per step
+        self.allreduce_s: float | None = None  # a plain all-reduce's time per step, as measured
+        self.allreduce_bw = 0.0  # the slowest link's bandwidth estimate when it was measured
+        self.unmodelled_s: float | None = None  # compressed steps' time beyond the model
         self.unmeasured = [0] * regions  # decisions since each region's link was last measured
         self.reprobe = False  # the leaders measure the links at the next decision
         if topo.links is not None:
@@ -368,9 +377,9 @@ class Controller:
         mine = {"compute": list(self.obs.compute), "received": dict(self.obs.received)}
         mine["stage_seconds"] = self._stage_seconds(state)
         self.obs.clear()
-        if (self.lossless or self.reprobe) and self.topo.local_index == 0:
-            # no packets cross regions to time, or they have been too small to tell for a while:
-            # the region leaders measure the links instead (briefly)
+        if self.reprobe and self.topo.local_index == 0:
+            # no packets crossed regions to time for a while (or too small ones): the region
+            # leaders measure the links instead (briefly)
             mine["leader_links"] = probe(
                 self.topo.group("leaders"), max_seconds=0.01, max_bytes=1 << 20, repeats=2
             ).beta
@@ -453,17 +462,38 @@ class Controller:
         if probed is not None:
             self.unmeasured = [0] * len(bandwidth)
         reprobe = max(self.unmeasured) >= self.STALE_DECISIONS
-        # an uncompressed interval's plain all-reduce is the measured time of the "none" rung
-        self.allreduce_s = stages.get("allreduce") or None
-        # compressed rungs also pay for the reduction inside regions: measured once they ran,
-        # until then estimated from the probed links inside regions
+        # the plain all-reduce of an uncompressed interval is the "none" rung's measured time; it
+        # holds until the links are found much faster than when it was measured
+        slowest = min((b for b in bandwidth if b is not None), default=MAX_BANDWIDTH)
+        if stages.get("allreduce"):
+            self.allreduce_s, self.allreduce_bw = stages["allreduce"], slowest
+        elif self.allreduce_s is not None and slowest > 2 * self.allreduce_bw:
+            self.allreduce_s = None
+        # compressed rungs also pay for the reduction inside regions (measured once they ran,
+        # until then estimated from the probed links inside regions) and for what the model of
+        # bytes and CPU leaves out (thread hand-offs, per-bucket latency): the difference between
+        # a compressed interval's measured time and its model, smoothed
         shard_numels = state.shard_numels()
         overhead = self.intra_s if self.intra_s is not None else self._intra_guess(shard_numels)
-        extra = [0.0 if name == "none" else overhead for name, _ in opts.ladder]
         links = [
             LinkEstimate(b if b is not None else MAX_BANDWIDTH, r)
             for b, r in zip(bandwidth, self.rtt, strict=True)
         ]
+        compressed = sum(stages.get(k, 0.0) for k in self.COMPRESSED_STAGES)
+        if compressed > 0 and not self.lossless:
+            cpu, receivers = self.cpu_seconds(shard_numels), max(len(links) - 1, 1)
+            model = overhead + max(
+                rung_bytes(opts.ladder[r], shard_numels, receivers) / link.bandwidth + cpu[r]
+                for r, link in zip(self.rungs, links, strict=True)
+            )
+            unmodelled = max(compressed - model, 0.0)
+            self.unmodelled_s = (
+                unmodelled
+                if self.unmodelled_s is None
+                else opts.ewma * unmodelled + (1 - opts.ewma) * self.unmodelled_s
+            )
+        lossy = overhead + (self.unmodelled_s or 0.0)
+        extra = [0.0 if name == "none" else lossy for name, _ in opts.ladder]
         rungs, streak, budgets = plan_levels(
             links,
             compute_time,
@@ -508,6 +538,8 @@ class Controller:
             "compute_time": self.compute_time,
             "intra_s": self.intra_s,
             "allreduce_s": self.allreduce_s,
+            "allreduce_bw": self.allreduce_bw,
+            "unmodelled_s": self.unmodelled_s,
             "history": list(self.history),
         }
 
@@ -520,6 +552,7 @@ class Controller:
         self.streak = list(state["streak"])
         self.compute_time = state["compute_time"]
         self.intra_s, self.allreduce_s = state["intra_s"], state["allreduce_s"]
+        self.allreduce_bw, self.unmodelled_s = state["allreduce_bw"], state["unmodelled_s"]
         self.history = list(state["history"])
         self.seconds_seen = {}  # the comm thread's stage times start again from zero
 

@@ -12,12 +12,13 @@ Data path of one gradient bucket (DESIGN.md), run by `CommState`:
    packets have one size, point-to-point when the plan gives senders different levels), decodes
    every packet - its own from the same bytes - and sums them in region order;
 4. inside a region: dense all-gather of the shards, written into the bucket.
-One region: a plain all-reduce (exactly DDP's), no lossy compression.
+One region, or a plan that compresses nothing: a plain all-reduce (exactly DDP's), issued from
+the hook as DDP's own.
 
-Collectives are issued by one communication thread per CloudDDP, bucket after bucket, so every
-rank issues the same collectives in the same order however the buckets' callbacks interleave
-(PyTorch's PowerSGD hook, which issues from callbacks, fails on gloo with several buckets in
-flight). Compression on that thread overlaps the rest of the backward pass.
+Compressed buckets go to one communication thread per CloudDDP, which issues their collectives
+bucket after bucket, so every rank issues the same collectives in the same order however the
+buckets' callbacks interleave (PyTorch's PowerSGD hook, which issues from callbacks, fails on gloo
+with several buckets in flight). Compression on that thread overlaps the rest of the backward.
 
 Invariants kept here: replicas agree bit for bit (every rank sums the same bytes in the same
 order); all ranks agree on every collective's size (sizes come from the config or the broadcast
@@ -201,8 +202,15 @@ class CommState:
         self.stats["buckets"] = max(self.stats["buckets"], job.index + 1)
         if job.is_last and self.controller is not None:
             self.controller.compute_finished()
-        if self.direct:
-            return self._allreduce(job)
+        if self.direct or self.controller is not None:
+            try:
+                self._begin()  # this step's checks and plan, before its first collective
+            except Exception as e:
+                self.error = e
+                fut.set_exception(e)
+                return fut
+            if self.direct or self.plan.lossless:
+                return self._allreduce(job)
         if buffer.is_cuda:
             job.ready = torch.cuda.Event()
             job.ready.record()
@@ -211,15 +219,20 @@ class CommState:
         return fut
 
     def _allreduce(self, job: _Job) -> torch.futures.Future:
-        """One region: exactly what DDP does (scale by 1/world, all-reduce), on cloudtrain's own group."""
+        """Exactly what DDP does (scale by 1/world, all-reduce), on cloudtrain's own group, issued
+        from the hook: for one region, and for the controller's plans without compression (a
+        hierarchy buys nothing then; residuals left from compressed steps are added in first)."""
+        buf = job.buffer.mul_(1.0 / self.world_size)
         try:
-            self._begin()
+            if self.controller is not None:
+                self._units(job)  # keep learning DDP's layout
+                self._inject_pending(self._signature(job), buf)
         except Exception as e:
             self.error = e
             job.future.set_exception(e)
             return job.future
-        group = self.topo.group("dense")
-        work = dist.all_reduce(job.buffer.mul_(1.0 / self.world_size), group=group, async_op=True)
+        t0 = time.perf_counter()
+        work = dist.all_reduce(buf, group=self.topo.group("dense"), async_op=True)
         step, index, last = self.step, job.index, job.is_last
         if last:
             self._end_step()
@@ -234,6 +247,9 @@ class CommState:
                 )
                 self.error = err
                 raise err from e
+            self._spent("allreduce", t0)
+            if last and self.controller is not None:
+                self.controller.step_started()
             self._check_finite(result, step, index)
             return result
 
@@ -291,8 +307,6 @@ class CommState:
         self._first_of_step = True
         self.step += 1
         self.stats["steps"] += 1
-        if self.controller is not None:
-            self.controller.step_started()
 
     def _reduce(self, job: _Job) -> torch.Tensor:
         """The bucket's data path (module docstring), on the communication thread.
@@ -304,11 +318,7 @@ class CommState:
         self._begin()
         buf = job.buffer
         buf.mul_(1.0 / self.world_size)  # as DDP: times the reciprocal, not divided
-        units = self._units(job)
-        if self.controller is not None and self.plan.lossless:
-            self._allreduce_uncompressed(job)
-            units = []
-        for index, layout, placement in units:
+        for index, layout, placement in self._units(job):
             if placement is None:
                 self._reduce_unit(job, index, layout, buf)
                 continue
@@ -321,22 +331,9 @@ class CommState:
         self._check_finite(buf, self.step, job.index)
         if job.is_last:
             self._end_step()
+            if self.controller is not None:
+                self.controller.step_started()
         return buf
-
-    def _allreduce_uncompressed(self, job: _Job) -> None:
-        """The controller's "no compression" plan: one plain all-reduce of the bucket, as DDP
-        would (a hierarchy buys nothing without compression), with any residuals left from
-        compressed steps added in first."""
-        self._inject_pending(self._signature(job), job.buffer)
-        t0 = time.perf_counter()
-        finish(
-            "all-reduce (no compression)",
-            range(self.world_size),
-            self.timeout,
-            lambda: dist.all_reduce(job.buffer, group=self.topo.group("dense"), async_op=True),
-            f" at step {self.step}, bucket {job.index}",
-        )
-        self._spent("allreduce", t0)
 
     def _reduce_unit(self, job: _Job, index: int, layout: Layout, buf: torch.Tensor) -> None:
         """Steps 2-4 of the data path for bucket `index` (already scaled), in place."""

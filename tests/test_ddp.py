@@ -455,3 +455,41 @@ def test_config_values_are_checked():
     assert CompressionConfig.resolve("cocktail").level == (0.1, 0.1, 4)
     assert CompressionConfig.resolve("topk:0.05").codec == "topk"
     assert RankFailed  # the helper is importable for the tests above
+
+
+def _auto(rank, world, ladder, regions):
+    import cloudtrain
+
+    cloudtrain.init()
+    options = {"interval": 2} if ladder is None else {"interval": 2, "ladder": ladder}
+    cfg = CompressionConfig(regions=regions, controller=options, verify_every=7)
+    model = make_model()
+    cloud = cloudtrain.CloudDDP(model, cfg, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(24):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss_of(cloud, x, y).backward()
+        opt.step()
+    cloud.verify_replicas()
+    history = cloud.comm.controller.history if cloud.comm.controller else []
+    return params_of(model), [h["levels"] for h in history], cloud.comm.stats["buckets"]
+
+
+@pytest.mark.parametrize(
+    "ladder,regions",
+    [
+        (
+            None,
+            "per-rank",
+        ),  # the default ladder: plans switch between the plain all-reduce and packets
+        ((("quant", 8), ("topk-sampled>quant", (0.1, 8)), ("sign", None)), ("a", "a", "b", "b")),
+    ],
+)
+def test_auto_plans_agree_and_replicas_stay_identical(ladder, regions):
+    world = 2 if regions == "per-rank" else 4
+    results = run_ranks(world, _auto, ladder, regions, timeout=240)
+    assert_identical([r[0] for r in results])
+    plans = [r[1] for r in results]
+    assert plans[0] and all(p == plans[0] for p in plans), "every rank follows rank 0's plan"
+    assert results[0][2] >= 2
