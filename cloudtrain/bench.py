@@ -242,12 +242,14 @@ def _run_method(
     )
 
 
-def _scenario_rates(args: argparse.Namespace) -> dict[str, float] | None:
-    if args.scenario == "wan":
-        return {"us": args.mbit, "eu": args.mbit}
+def _scenario_links(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, float]] | None:
+    """(uplink, downlink) Mbit/s per region for the scenario; None: unshaped."""
     if args.scenario == "unshaped":
         return None
-    return {"us": 1000.0, "eu": 50.0 if args.scenario == "hetero" else 1000.0}
+    if args.scenario == "hetero":  # us sends at 1 Gbit/s, eu at 50 Mbit/s; both receive at 1 Gbit/s
+        return {"us": 1000.0, "eu": 50.0}, {"us": 1000.0, "eu": 1000.0}
+    rate = args.mbit if args.scenario == "wan" else 1000.0  # drop: 1 Gbit/s until --drop-at
+    return {"us": rate, "eu": rate}, {"us": rate, "eu": rate}
 
 
 def _plot(runs: list[Run], path: Path, title: str) -> bool:
@@ -282,11 +284,14 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     regions = ["us", "us", "eu", "eu"]
     ok, why = netem.available()
     wan = None
-    rates = _scenario_rates(args)
+    links = _scenario_links(args)
     if ok:
-        mbit = rates if rates is not None else {"us": 100_000.0, "eu": 100_000.0}
-        wan = netem.Emulator({"us": 2, "eu": 2}, mbit=mbit, name=f"bench{os.getpid() % 10000}").up()
-        network = f"2 regions x 2 ranks in network namespaces, {netem_describe(rates)}; emulation: {wan.emulation}"
+        ups, downs = (
+            links if links is not None else ({"us": 1e5, "eu": 1e5}, {"us": 1e5, "eu": 1e5})
+        )
+        name = f"bench{os.getpid() % 10000}"
+        wan = netem.Emulator({"us": 2, "eu": 2}, ups, name=name, down_mbit=downs).up()
+        network = f"2 regions x 2 ranks in network namespaces, {netem_describe(links)}; emulation: {wan.emulation}"
     else:
         network = f"loopback, no WAN shaping ({why}); the figures show overheads, not WAN savings"
     methods = args.methods or (
@@ -349,16 +354,22 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     stem = out / f"bench-{args.scenario}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
     report["json"] = str(stem.with_suffix(".json"))
-    title = f"{args.scenario}: {netem_describe(rates) if wan is not None else 'loopback'}"
+    title = f"{args.scenario}: {netem_describe(links) if wan is not None else 'loopback'}"
     if _plot(runs, stem.with_suffix(".png"), title):
         report["plot"] = str(stem.with_suffix(".png"))
     return report
 
 
-def netem_describe(rates: dict[str, float] | None) -> str:
-    if rates is None:
+def netem_describe(links: tuple[dict[str, float], dict[str, float]] | None) -> str:
+    if links is None:
         return "links unshaped"
-    return "region uplinks " + ", ".join(f"{r} {m:g} Mbit/s" for r, m in rates.items())
+    ups, downs = links
+    return "region links " + ", ".join(
+        f"{r} {ups[r]:g} Mbit/s"
+        if ups[r] == downs[r]
+        else f"{r} {ups[r]:g} up/{downs[r]:g} down Mbit/s"
+        for r in ups
+    )
 
 
 def _recovery(

@@ -191,36 +191,59 @@ def plan_levels(
         raise ValueError("current and streak need one entry per region")
     sizes = [rung_bytes(r, shard_numels, receivers) for r in ladder]
     allowed = options.hidden_fraction * compute_time
-    rungs, streaks, budgets = [], [], []
-    for link, now, run in zip(links, current, streak, strict=True):
-        # packets of one bucket cross at once, so each exchange costs about half a round trip
-        usable = max(allowed - len(shard_numels) * link.rtt / 2, allowed / 10)
-        times = [size / link.bandwidth + c for size, c in zip(sizes, cost, strict=True)]
-        if ladder[0][0] == "none":
-            # uncompressed, a step's gradients cross as one plain (ring) all-reduce, which moves
-            # every byte twice; measured, where the last interval ran it
-            times[0] = none_seconds if none_seconds is not None else 2 * sizes[0] / link.bandwidth
-        fits = next((i for i, t in enumerate(times) if t <= usable), None)
-        roomy = next((i for i, t in enumerate(times) if t <= options.margin * usable), None)
-        if fits is None:
-            # nothing fits: more compression is worth its accuracy only while it still saves
-            # time - stay within `slack` of the fastest rung, on the lightest such rung
-            best = min(times) * (1 + options.slack)
-            choice = (
-                now if times[now] <= best else next(i for i, t in enumerate(times) if t <= best)
-            )
-            run = 0
-        elif fits > now:  # the current rung no longer fits: compress more, now
-            choice, run = fits, 0
-        elif roomy is not None and roomy < now:  # lighter with room: after `patience` decisions
-            run += 1
-            choice, run = (roomy, 0) if run >= options.patience else (now, run)
-        else:
-            choice, run = now, 0
-        rungs.append(choice)
-        streaks.append(run)
-        budgets.append(link.bandwidth * usable)
+    uncompressed = ladder[0][0] == "none"
+
+    def choose(flat: bool) -> tuple[list[int], list[int], list[float]]:
+        rungs, streaks, budgets = [], [], []
+        for link, now, run in zip(links, current, streak, strict=True):
+            # packets of one bucket cross at once: each exchange costs about half a round trip
+            usable = max(allowed - len(shard_numels) * link.rtt / 2, allowed / 10)
+            times = [size / link.bandwidth + c for size, c in zip(sizes, cost, strict=True)]
+            if uncompressed and flat:
+                # when no region compresses, a step's gradients cross as one plain (ring)
+                # all-reduce, which moves every byte twice; measured, where the last interval ran it
+                times[0] = (
+                    none_seconds if none_seconds is not None else 2 * sizes[0] / link.bandwidth
+                )
+            elif uncompressed:  # beside compressing regions it takes their path, and its costs
+                times[0] = sizes[0] / link.bandwidth + max(extra)
+            choice, run = _hysteresis(times, usable, now, run, options)
+            rungs.append(choice)
+            streaks.append(run)
+            budgets.append(link.bandwidth * usable)
+        return rungs, streaks, budgets
+
+    rungs, streaks, budgets = choose(flat=True)
+    if uncompressed and 0 in rungs and any(rungs):  # a mixed plan: "none" is not a plain all-reduce
+        rungs, streaks, budgets = choose(flat=False)
     return rungs, streaks, budgets
+
+
+def _hysteresis(
+    times: Sequence[float], usable: float, now: int, run: int, options: ControllerOptions
+) -> tuple[int, int]:
+    """(rung, streak): the lightest rung whose time fits `usable`, moving to more compression at
+    once and to less only after `patience` decisions in which it fits with `margin` to spare."""
+    fits = next((i for i, t in enumerate(times) if t <= usable), None)
+    roomy = next((i for i, t in enumerate(times) if t <= options.margin * usable), None)
+    if fits is None:
+        # nothing fits: more compression is worth its accuracy only while it still saves time -
+        # the lightest rung within `slack` of the fastest; a lighter one is taken after
+        # `patience`, and the current one left at once only if it falls well behind
+        fastest = min(times)
+        target = next(i for i, t in enumerate(times) if t <= fastest * (1 + options.slack))
+        if target < now:
+            run += 1
+            return (target, 0) if run >= options.patience else (now, run)
+        if times[now] > fastest * (1 + options.slack) ** 2:
+            return target, 0
+        return now, 0
+    if fits > now:  # the current rung no longer fits: compress more, now
+        return fits, 0
+    if roomy is not None and roomy < now:  # lighter with room: after `patience` decisions
+        run += 1
+        return (roomy, 0) if run >= options.patience else (now, run)
+    return now, 0
 
 
 def passive_bandwidth(
@@ -266,7 +289,7 @@ class Controller:
     """Plans levels for CloudDDP's "auto" config (module docstring)."""
 
     FIRST_DECISION = 2  # the first step whose compute time was measured is step 1
-    STALE_DECISIONS = 6  # decisions without a usable measurement of a link before re-probing
+    STALE_DECISIONS = 12  # decisions without a usable measurement of a link before re-probing
     COMPRESSED_STAGES = ("intra_reduce", "encode", "exchange", "decode", "intra_gather")
 
     def __init__(
@@ -380,8 +403,9 @@ class Controller:
         if self.reprobe and self.topo.local_index == 0:
             # no packets crossed regions to time for a while (or too small ones): the region
             # leaders measure the links instead (briefly)
+            # (from 256 KiB: smaller messages ride tbf-like token buckets at line rate)
             mine["leader_links"] = probe(
-                self.topo.group("leaders"), max_seconds=0.01, max_bytes=1 << 20, repeats=2
+                self.topo.group("leaders"), max_seconds=0.05, repeats=1, start_bytes=1 << 18
             ).beta
         gathered: list[Any] = [None] * self.topo.world_size
         dist.all_gather_object(gathered, mine, group=group)

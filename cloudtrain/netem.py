@@ -17,7 +17,9 @@ ends both carry a `tbf` egress qdisc at that region's rate: `up<g>` shapes what 
 and the receiver's downlink, and gets min(rate of sender region, rate of receiver region): a
 sender in a 50 Mbit/s region is limited by its own uplink even if the peer has 1 Gbit/s. With
 three or more regions this models per-region WAN capacity (all flows into a region share its
-downlink), not per-pair links. Everything is one L2 subnet, so no routing, no forwarding sysctl
+downlink), not per-pair links. Uplink and downlink may differ (`down_mbit`, `--down-mbit`): a
+region with a slow uplink and a fast downlink sends slowly but receives fast, so two regions can
+have different rates each way. Everything is one L2 subnet, so no routing, no forwarding sysctl
 and nothing in the root namespace: no interface, address or route of the host is touched.
 
 Delay. Latency needs the `netem` qdisc, which many kernels (this one included) lack. When a
@@ -173,11 +175,13 @@ class WanSpec:
     regions: dict[str, int] = field(default_factory=lambda: {"a": 1, "b": 1})
     """Ranks per region in rank order: {"us": 2, "eu": 2} puts ranks 0-1 in us, 2-3 in eu."""
     mbit: dict[str, float] = field(default_factory=lambda: {"a": 100.0, "b": 100.0})
-    """Rate of each region's WAN uplink and downlink, Mbit/s."""
+    """Rate of each region's WAN uplink (and downlink, unless down_mbit says otherwise), Mbit/s."""
     rtt_ms: float = 0.0
     """Round-trip time between regions; applied only where the kernel has netem."""
     name: str = DEFAULT_NAME
     """Names the namespaces (ct-<name>-wan, ct-<name>-r<rank>) and the state file."""
+    down_mbit: dict[str, float] | None = None
+    """Rate of each region's WAN downlink where it differs from the uplink (asymmetric links)."""
 
     def __post_init__(self) -> None:
         if not _NAME_RE.fullmatch(self.name):
@@ -194,10 +198,19 @@ class WanSpec:
                 f"rates given for {sorted(self.mbit)} but regions are {sorted(self.regions)}: "
                 "give one rate, or one per region (us=1000,eu=50)"
             )
-        for region, rate in self.mbit.items():
+        if self.down_mbit is not None and set(self.down_mbit) != set(self.regions):
+            raise ValueError(
+                f"downlink rates given for {sorted(self.down_mbit)} but regions are "
+                f"{sorted(self.regions)}: give one per region"
+            )
+        for region, rate in [*self.mbit.items(), *(self.down_mbit or {}).items()]:
             LinkProfile(rate, self.rtt_ms)  # validates both, with its messages
             if rate > 100_000:
                 raise ValueError(f"region {region!r}: {rate} Mbit/s is beyond what tbf can shape")
+
+    def down(self, region: str) -> float:
+        """The region's downlink rate."""
+        return (self.down_mbit or self.mbit)[region]
 
 
 def tbf_params(mbit: float, rtt_ms: float = 0.0) -> dict[str, int]:
@@ -361,9 +374,14 @@ class Emulator:
         mbit: float | Mapping[str, float],
         rtt_ms: float = 0.0,
         name: str = DEFAULT_NAME,
+        down_mbit: float | Mapping[str, float] | None = None,
     ) -> None:
-        rates = dict.fromkeys(regions, float(mbit)) if isinstance(mbit, (int, float)) else mbit
-        self.spec = WanSpec(dict(regions), {r: float(v) for r, v in rates.items()}, rtt_ms, name)
+        def per_region(rate: float | Mapping[str, float]) -> dict[str, float]:
+            rates = dict.fromkeys(regions, rate) if isinstance(rate, (int, float)) else rate
+            return {r: float(v) for r, v in rates.items()}
+
+        down = None if down_mbit is None else per_region(down_mbit)
+        self.spec = WanSpec(dict(regions), per_region(mbit), rtt_ms, name, down)
         self.emulation: str | None = None
         """"rate only" or "rate and delay" once up; see `emulation_note` for why."""
         self.emulation_note = ""
@@ -470,7 +488,13 @@ class Emulator:
             raise EmulatorError(
                 f"no emulator named {name!r} is up: start one with `cloudtrain netem up`"
             ) from None
-        wan = cls(dict(state["regions"]), state["mbit"], state["rtt_ms"], state["name"])
+        wan = cls(
+            dict(state["regions"]),
+            state["mbit"],
+            state["rtt_ms"],
+            state["name"],
+            state.get("down_mbit"),
+        )
         wan.emulation, wan.emulation_note = state.get("emulation"), state.get("note", "")
         return wan
 
@@ -498,6 +522,7 @@ class Emulator:
             "name": self.name,
             "regions": list(self.spec.regions.items()),
             "mbit": self.spec.mbit,
+            "down_mbit": self.spec.down_mbit,
             "rtt_ms": self.spec.rtt_ms,
             "emulation": self.emulation,
             "note": self.emulation_note,
@@ -544,7 +569,7 @@ class Emulator:
                 f"link set up{g} up",
                 f"link set dn{g} up",
             ]
-            tc += self._qdisc_lines("add", g, self.spec.mbit[region], delay)
+            tc += self._qdisc_lines("add", g, self.spec.mbit[region], self.spec.down(region), delay)
         for rank in range(self.world_size):
             g = self._region_index(self.region(rank))
             ip += [
@@ -565,11 +590,13 @@ class Emulator:
                 ],
             )
 
-    def _qdisc_lines(self, verb: str, g: int, mbit: float, delay: bool) -> list[str]:
-        p = tbf_params(mbit, self.spec.rtt_ms if delay else 0.0)
-        tbf = f"tbf rate {p['rate']}bit burst {p['burst']} limit {p['limit']}"
+    def _qdisc_lines(self, verb: str, g: int, up: float, down: float, delay: bool) -> list[str]:
+        """tc lines shaping region g: egress of up<g> is the region's uplink (towards the core),
+        egress of dn<g> its downlink."""
         lines = []
-        for dev in (f"up{g}", f"dn{g}"):
+        for dev, mbit in ((f"up{g}", up), (f"dn{g}", down)):
+            p = tbf_params(mbit, self.spec.rtt_ms if delay else 0.0)
+            tbf = f"tbf rate {p['rate']}bit burst {p['burst']} limit {p['limit']}"
             if delay and dev.startswith("up"):
                 # netem first (root) and the shaper below it: the netem-wiki recipe. Its packet
                 # limit must not drop before tbf does: room for twice the frames of one delay
@@ -587,14 +614,19 @@ class Emulator:
 
     # -- live control -------------------------------------------------------------------------
 
-    def set_rate(self, region: str, mbit: float) -> None:
-        """Change region's uplink and downlink rate now (existing flows feel it at once)."""
+    def set_rate(self, region: str, mbit: float, down_mbit: float | None = None) -> None:
+        """Change region's uplink rate now, and its downlink to down_mbit (default: the same);
+        existing flows feel it at once."""
         g = self._region_index(region)
-        LinkProfile(mbit, self.spec.rtt_ms)  # validate
-        delay = self.emulation == RATE_AND_DELAY
-        _batch("tc", self.wan_namespace, self._qdisc_lines("change", g, float(mbit), delay))
+        down = float(mbit if down_mbit is None else down_mbit)
         rates = {**self.spec.mbit, region: float(mbit)}
-        self.spec = WanSpec(dict(self.spec.regions), rates, self.spec.rtt_ms, self.name)
+        downs = None
+        if self.spec.down_mbit is not None or down != float(mbit):
+            downs = {r: self.spec.down(r) for r in self.spec.regions} | {region: down}
+        spec = WanSpec(dict(self.spec.regions), rates, self.spec.rtt_ms, self.name, downs)
+        delay = self.emulation == RATE_AND_DELAY
+        _batch("tc", self.wan_namespace, self._qdisc_lines("change", g, float(mbit), down, delay))
+        self.spec = spec
         self._write_state()
 
     def counters(self) -> dict[str, dict[str, int]]:
@@ -662,6 +694,10 @@ class Emulator:
                     p.kill()
                 p.wait()
 
+    def _rates(self, region: str) -> str:
+        up, down = self.spec.mbit[region], self.spec.down(region)
+        return f"{up:g}" if up == down else f"{up:g} up/{down:g} dn"
+
     def describe(self) -> str:
         lines = [
             f"{self.name}: {self.world_size} ranks in {len(self.spec.regions)} regions, "
@@ -675,7 +711,7 @@ class Emulator:
             ranks = self.ranks(region)
             c = counters.get(region, {})
             lines.append(
-                f"  {region:<10} {self.spec.mbit[region]:>8g} Mbit/s  ranks {ranks[0]}-{ranks[-1]}"
+                f"  {region:<10} {self._rates(region):>13} Mbit/s  ranks {ranks[0]}-{ranks[-1]}"
                 f"  {self.address(ranks[0])}..{self.address(ranks[-1])}"
                 f"  WAN tx {c.get('tx_bytes', 0):,} B  rx {c.get('rx_bytes', 0):,} B"
             )
@@ -728,10 +764,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--profile", help=f"link profile: {', '.join(PROFILES)}, or <N>mbit")
     how.add_argument("--mbit", help="rate for all regions (100) or per region (us=1000,eu=50)")
     p.add_argument("--rtt-ms", type=float, help="round-trip time (needs kernel netem)")
+    p.add_argument("--down-mbit", help="downlink rates where they differ: us=1000,eu=1000")
 
     p = add("rate", "change one region's WAN rate live")
     p.add_argument("--region", required=True)
     p.add_argument("--mbit", required=True, type=float)
+    p.add_argument("--down-mbit", type=float, help="downlink rate (default: the same as --mbit)")
 
     p = add("status", "topology, rates, emulation kind, bytes per WAN link")
     p.add_argument("--name", help="one emulator (default: every one)")
@@ -775,7 +813,8 @@ def _run_command(args: argparse.Namespace) -> int:
         else:
             mbit, rtt = parse_mbit(args.mbit, list(regions)), 0.0
         rtt = args.rtt_ms if args.rtt_ms is not None else rtt
-        wan = Emulator(regions, mbit, rtt, args.name).up(persist=True)
+        down = parse_mbit(args.down_mbit, list(regions)) if args.down_mbit else None
+        wan = Emulator(regions, mbit, rtt, args.name, down).up(persist=True)
         print(wan.describe())
         return 0
     if action == "down":
@@ -788,7 +827,7 @@ def _run_command(args: argparse.Namespace) -> int:
         args.name, args.cmd = _exec_split(args.cmd, args.name)
     wan = Emulator.attach(args.name)
     if action == "rate":
-        wan.set_rate(args.region, args.mbit)
+        wan.set_rate(args.region, args.mbit, args.down_mbit)
         print(wan.describe())
     elif action == "exec":
         rank, cmd = args.rank, args.cmd
@@ -815,6 +854,7 @@ def _status(args: argparse.Namespace) -> int:
                         "ranks": wan.ranks(r),
                         "addresses": [wan.address(k) for k in wan.ranks(r)],
                         "mbit": wan.spec.mbit[r],
+                        "down_mbit": wan.spec.down(r),
                     }
                     for r in wan.spec.regions
                 },

@@ -86,14 +86,14 @@ def fit_link(samples: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def _measure(
-    src: int, dst: int, group: Any, max_seconds: float, max_bytes: int, repeats: int
+    src: int, dst: int, group: Any, max_seconds: float, max_bytes: int, repeats: int, start: int
 ) -> list[tuple[int, float]]:
     """src sends growing messages to dst and times each until dst's ack is back (global ranks)."""
     me = dist.get_rank()
     header = torch.zeros(1, dtype=torch.int64)
     ack = torch.zeros(1, dtype=torch.uint8)
     samples: list[tuple[int, float]] = []
-    size = START_BYTES
+    size = start
     if me == src:
         payload = torch.zeros(max_bytes, dtype=torch.uint8)
         while True:
@@ -127,6 +127,7 @@ def probe(
     max_seconds: float = 0.05,
     max_bytes: int = 8 * 1024 * 1024,
     repeats: int = 3,
+    start_bytes: int = START_BYTES,
 ) -> LinkMatrix:
     """All ranks of `group` (a gloo group; default: the world) call this; all get the matrix,
     indexed by rank within the group."""
@@ -139,7 +140,7 @@ def probe(
             if i == j:
                 continue
             samples = _measure(
-                global_rank[i], global_rank[j], group, max_seconds, max_bytes, repeats
+                global_rank[i], global_rank[j], group, max_seconds, max_bytes, repeats, start_bytes
             )
             if me == i:
                 mine[j] = fit_link(samples)

@@ -206,6 +206,23 @@ def test_slow_region_is_the_bottleneck_and_set_rate_acts_live(unique_name):
 
 
 @needs_root
+def test_asymmetric_links_each_way(unique_name):
+    """Uplink and downlink rates of a region may differ: each direction gets the sender's uplink
+    or the receiver's downlink, whichever is slower."""
+    ups, downs = {"us": 400, "eu": 50}, {"us": 1000, "eu": 1000}
+    with Emulator({"us": 1, "eu": 1}, ups, name=unique_name(), down_mbit=downs) as wan:
+        us_to_eu = wan.measure_mbit(0, 1, seconds=0.8)
+        eu_to_us = wan.measure_mbit(1, 0, seconds=0.8)
+        wan.set_rate("eu", 80, down_mbit=200)
+        into_eu = wan.measure_mbit(0, 1, seconds=0.8)
+        assert Emulator.attach(wan.name).spec.down("eu") == 200.0
+    print(f"us->eu {us_to_eu:.0f}, eu->us {eu_to_us:.0f}, into eu after 200 down: {into_eu:.0f}")
+    assert 340 <= us_to_eu <= 404, us_to_eu
+    assert 42 <= eu_to_us <= 50.5, eu_to_us
+    assert 170 <= into_eu <= 202, into_eu
+
+
+@needs_root
 def test_delay_is_applied_exactly_where_the_kernel_has_netem(unique_name):
     echo = """
 import socket, sys, time
