@@ -569,7 +569,7 @@ class Emulator:
                 f"link set up{g} up",
                 f"link set dn{g} up",
             ]
-            tc += self._qdisc_lines("add", g, self.spec.mbit[region], self.spec.down(region), delay)
+            tc += self._qdisc_lines(g, self.spec.mbit[region], self.spec.down(region), delay)
         for rank in range(self.world_size):
             g = self._region_index(self.region(rank))
             ip += [
@@ -590,9 +590,9 @@ class Emulator:
                 ],
             )
 
-    def _qdisc_lines(self, verb: str, g: int, up: float, down: float, delay: bool) -> list[str]:
-        """tc lines shaping region g: egress of up<g> is the region's uplink (towards the core),
-        egress of dn<g> its downlink."""
+    def _qdisc_lines(self, g: int, up: float, down: float, delay: bool) -> list[str]:
+        """tc lines adding the qdiscs that shape region g: egress of up<g> is the region's uplink
+        (towards the core), egress of dn<g> its downlink."""
         lines = []
         for dev, mbit in ((f"up{g}", up), (f"dn{g}", down)):
             p = tbf_params(mbit, self.spec.rtt_ms if delay else 0.0)
@@ -603,13 +603,12 @@ class Emulator:
                 # plus a full tbf queue at this rate.
                 one_way = self.spec.rtt_ms / 2
                 pkts = max(1000, int(2 * (p["rate"] / 8 * one_way / 1000 + p["limit"]) / 1500))
-                if verb == "add":
-                    lines.append(
-                        f"qdisc add dev {dev} root handle 1: netem delay {one_way}ms limit {pkts}"
-                    )
-                lines.append(f"qdisc {verb} dev {dev} parent 1:1 handle 10: {tbf}")
+                lines.append(
+                    f"qdisc add dev {dev} root handle 1: netem delay {one_way}ms limit {pkts}"
+                )
+                lines.append(f"qdisc add dev {dev} parent 1:1 handle 10: {tbf}")
             else:
-                lines.append(f"qdisc {verb} dev {dev} root handle 10: {tbf}")
+                lines.append(f"qdisc add dev {dev} root handle 10: {tbf}")
         return lines
 
     # -- live control -------------------------------------------------------------------------
@@ -625,7 +624,13 @@ class Emulator:
             downs = {r: self.spec.down(r) for r in self.spec.regions} | {region: down}
         spec = WanSpec(dict(self.spec.regions), rates, self.spec.rtt_ms, self.name, downs)
         delay = self.emulation == RATE_AND_DELAY
-        _batch("tc", self.wan_namespace, self._qdisc_lines("change", g, float(mbit), down, delay))
+        # Delete and add, in one batch, rather than `tc qdisc change`: on this kernel a tbf
+        # changed under a full queue was seen to stop dequeuing for good (packets sat in its
+        # backlog, TCP backed off to a 60 s stall). A fresh qdisc drops what was queued, and TCP
+        # retransmits it within one RTO.
+        reset = [f"qdisc del dev {dev}{g} root" for dev in ("up", "dn")]
+        lines = reset + self._qdisc_lines(g, float(mbit), down, delay)
+        _batch("tc", self.wan_namespace, lines)
         self.spec = spec
         self._write_state()
 

@@ -288,6 +288,51 @@ dist.destroy_process_group()  # leaving gloo's threads running at exit can abort
     assert after["us"]["tx_bytes"] - before["us"]["tx_bytes"] >= 2 << 20  # it crossed the WAN
 
 
+@needs_root
+def test_set_rate_under_full_queues_keeps_flows_moving(unique_name):
+    """A drop from 1000 to 50 Mbit/s in the middle of all-reduces: every flow carries on at the
+    new rate. (`tc qdisc change` of a tbf with a full queue was seen to stall TCP for minutes.)"""
+    worker = """
+import json, os, sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:29500",
+                        rank=rank, world_size=4, timeout=timedelta(seconds=20))
+x = torch.ones(1_000_000)
+for step in range(1, 19):
+    start = time.monotonic()
+    dist.all_reduce(x)
+    x.fill_(1)
+    if rank == 0:
+        print(json.dumps({"step": step, "s": time.monotonic() - start}), flush=True)
+dist.destroy_process_group()
+"""
+    with Emulator({"us": 2, "eu": 2}, 1000, name=unique_name()) as wan:
+        procs = [
+            wan.popen(r, [PY, "-c", worker, str(r)], stdout=subprocess.PIPE, text=True)
+            for r in range(4)
+        ]
+        seconds = []
+        try:
+            for line in procs[0].stdout:
+                info = json.loads(line)
+                seconds.append(info["s"])
+                if info["step"] == 12:  # queues are full: rank 0 is mid-stream into the next
+                    wan.set_rate("us", 50)
+                    wan.set_rate("eu", 50)
+            codes = [p.wait(timeout=60) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    assert codes == [0, 0, 0, 0], f"a rank failed (a stalled flow times out in 20 s): {codes}"
+    fast, slow = sorted(seconds[2:12])[5], sorted(seconds[13:])[2]
+    print(f"all-reduce of 4 MB: {fast * 1e3:.0f} ms at 1000 Mbit/s, {slow * 1e3:.0f} ms at 50")
+    assert slow > 5 * fast  # the new rate holds
+
+
 CRASHING_CHILD = """
 import sys, time
 from cloudtrain.netem import Emulator
