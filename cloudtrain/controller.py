@@ -13,7 +13,8 @@ The ladder runs from no compression through 16-bit, 8- and 4-bit quantization to
 0.1% and 0.01% with 8-bit values. Without compression a step's gradients cross as one plain
 all-reduce (a hierarchy buys nothing then), which moves every byte twice; its measured time
 stands in where the last interval ran it. When no rung fits, more compression is worth its
-accuracy only while it still saves time: the lightest rung within `slack` of the fastest.
+accuracy only while it still saves time: the lightest rung at most `slack` x compute time
+slower than the fastest.
 
 Measurements: bandwidth starts from the active probe (cloudtrain.probe) and follows the real
 transfers - each owner times every packet it receives; a drop counts at once, a rise is smoothed
@@ -61,6 +62,9 @@ LADDER: tuple[tuple[str, Any], ...] = (
 
 MIN_BANDWIDTH = 1e3  # bytes/s: below 8 kbit/s a link is not a link
 MAX_BANDWIDTH = 1e12  # bytes/s: above 8 Tbit/s an estimate is not a measurement
+BURST_BYTES = 1 << 18
+"""Shapers and policers are token buckets: messages smaller than this may pass at line rate, so
+they can show a link slower than thought, never one faster."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,8 @@ class ControllerOptions:
     ewma: float = 0.5
     """Weight of the newest bandwidth measurement."""
     slack: float = 0.2
-    """When no rung fits: the lightest within this share of the fastest rung's time."""
+    """When no rung fits: the lightest rung at most this share of a step's compute time slower
+    than the fastest rung (the time a step may give up for accuracy)."""
     ladder: tuple[tuple[str, Any], ...] = LADDER
     initial_compute_s: float = 0.1
     """Compute time per step assumed until the first one is measured."""
@@ -168,7 +173,7 @@ def plan_levels(
 
     A rung's time is bytes / bandwidth + its CPU and extra time; it fits when that is within the
     time the exchange can stay hidden, minus half a round trip per bucket. When no rung fits, the
-    lightest one within `slack` of the fastest is taken. Returns (rungs, streaks, budgets in
+    lightest one at most `slack` x compute_time slower than the fastest is taken. Returns (rungs, streaks, budgets in
     bytes per step).
     """
     options = options or ControllerOptions()
@@ -191,6 +196,7 @@ def plan_levels(
         raise ValueError("current and streak need one entry per region")
     sizes = [rung_bytes(r, shard_numels, receivers) for r in ladder]
     allowed = options.hidden_fraction * compute_time
+    slack = options.slack * compute_time
     uncompressed = ladder[0][0] == "none"
 
     def choose(flat: bool) -> tuple[list[int], list[int], list[float]]:
@@ -207,7 +213,8 @@ def plan_levels(
                 )
             elif uncompressed:  # beside compressing regions it takes their path, and its costs
                 times[0] = sizes[0] / link.bandwidth + max(extra)
-            choice, run = _hysteresis(times, usable, now, run, options)
+            measured = uncompressed and flat and none_seconds is not None and now == 0
+            choice, run = _hysteresis(times, usable, now, run, options, slack, measured)
             rungs.append(choice)
             streaks.append(run)
             budgets.append(link.bandwidth * usable)
@@ -220,10 +227,19 @@ def plan_levels(
 
 
 def _hysteresis(
-    times: Sequence[float], usable: float, now: int, run: int, options: ControllerOptions
+    times: Sequence[float],
+    usable: float,
+    now: int,
+    run: int,
+    options: ControllerOptions,
+    slack: float,
+    measured: bool = False,
 ) -> tuple[int, int]:
     """(rung, streak): the lightest rung whose time fits `usable`, moving to more compression at
-    once and to less only after `patience` decisions in which it fits with `margin` to spare."""
+    once and to less only after `patience` decisions in which it fits with `margin` to spare.
+    When none fits: the lightest at most `slack` seconds slower than the fastest. `measured`:
+    the current rung's time was measured, the others' are a model; it is left for them only
+    when clearly (1.5x) slower, not on a model's few milliseconds."""
     fits = next((i for i, t in enumerate(times) if t <= usable), None)
     roomy = next((i for i, t in enumerate(times) if t <= options.margin * usable), None)
     if fits is None:
@@ -231,11 +247,12 @@ def _hysteresis(
         # the lightest rung within `slack` of the fastest; a lighter one is taken after
         # `patience`, and the current one left at once only if it falls well behind
         fastest = min(times)
-        target = next(i for i, t in enumerate(times) if t <= fastest * (1 + options.slack))
+        target = next(i for i, t in enumerate(times) if t <= fastest + slack)
         if target < now:
             run += 1
             return (target, 0) if run >= options.patience else (now, run)
-        if times[now] > fastest * (1 + options.slack) ** 2:
+        behind = times[now] > fastest + 2 * slack
+        if behind and (not measured or times[now] > 1.5 * fastest):
             return target, 0
         return now, 0
     if fits > now:  # the current rung no longer fits: compress more, now
@@ -251,6 +268,7 @@ def passive_bandwidth(
     latency: float,
     current: float | None = None,
     significant: float = 0.002,
+    burst: int = BURST_BYTES,
 ) -> float | None:
     """Bytes/s of a sender from (bytes, seconds) arrivals of its packets, or None if they say
     nothing about bandwidth.
@@ -260,6 +278,8 @@ def passive_bandwidth(
     in all are latency and scheduling noise, and so are packets that small at the `current`
     estimate unless they came in ten times slower than that: small packets cannot show
     bandwidth, and must not shrink the estimate, or the controller would compress ever more.
+    Packets all under `burst` bytes cannot raise it either: a token bucket let them through
+    faster than the link's rate.
     """
     fastest: dict[int, float] = {}
     for nbytes, seconds in samples:
@@ -268,7 +288,10 @@ def passive_bandwidth(
     expected = sum(fastest) / current if current else math.inf
     if moving < significant or (expected < significant and moving < 10 * significant):
         return None
-    return min(max(sum(fastest) / moving, MIN_BANDWIDTH), MAX_BANDWIDTH)
+    measured = min(max(sum(fastest) / moving, MIN_BANDWIDTH), MAX_BANDWIDTH)
+    if current and measured > current and max(fastest) < burst:
+        return None
+    return measured
 
 
 @dataclass
@@ -405,7 +428,7 @@ class Controller:
             # leaders measure the links instead (briefly)
             # (from 256 KiB: smaller messages ride tbf-like token buckets at line rate)
             mine["leader_links"] = probe(
-                self.topo.group("leaders"), max_seconds=0.05, repeats=1, start_bytes=1 << 18
+                self.topo.group("leaders"), max_seconds=0.05, repeats=1, start_bytes=BURST_BYTES
             ).beta
         gathered: list[Any] = [None] * self.topo.world_size
         dist.all_gather_object(gathered, mine, group=group)
@@ -422,7 +445,7 @@ class Controller:
             compute_time,
         )
         self.history.append(record)
-        if changed:
+        if changed and self.topo.rank == 0:  # one line per change, not one per rank
             log.warning("cloudtrain: step %d: %s", step, record["text"])
         self._write_metrics(step, record, state)
         return self.initial_plan()
@@ -490,7 +513,10 @@ class Controller:
         # holds until the links are found much faster than when it was measured
         slowest = min((b for b in bandwidth if b is not None), default=MAX_BANDWIDTH)
         if stages.get("allreduce"):
-            self.allreduce_s, self.allreduce_bw = stages["allreduce"], slowest
+            took, old = stages["allreduce"], self.allreduce_s
+            if old is not None:  # smoothed: one slow interval is noise, a drop shows at once
+                took = opts.ewma * took + (1 - opts.ewma) * old
+            self.allreduce_s, self.allreduce_bw = took, slowest
         elif self.allreduce_s is not None and slowest > 2 * self.allreduce_bw:
             self.allreduce_s = None
         # compressed rungs also pay for the reduction inside regions (measured once they ran,

@@ -168,6 +168,11 @@ def test_passive_bandwidth_ignores_waiting_and_tiny_packets():
     assert passive_bandwidth([(2_000, 0.060)], latency=0.0, current=100 * MBIT) == pytest.approx(
         2_000 / 0.060
     )
+    # 80 KB in 4 ms is 160 Mbit/s through a 50 Mbit/s token bucket's burst: no rise from that,
+    assert passive_bandwidth([(80_000, 0.004)], latency=0.0, current=50 * MBIT) is None
+    # but 80 KB in 16 ms is a link that fell below 50, and 1 MB in 50 ms one that rose to 160
+    assert passive_bandwidth([(80_000, 0.016)], latency=0.0, current=50 * MBIT) == 5e6
+    assert passive_bandwidth([(1_000_000, 0.05)], latency=0.0, current=50 * MBIT) == 2e7
 
 
 def test_fit_link_recovers_latency_and_bandwidth():
@@ -232,7 +237,7 @@ def test_when_nothing_fits_compression_stops_where_it_stops_paying():
     times = [
         rung_bytes(r, SHARDS, 1) / (100 * MBIT) + o for r, o in zip(LADDER, overhead, strict=True)
     ]
-    assert times[rungs[0]] <= 1.2 * min(times)
+    assert times[rungs[0]] <= min(times) + 0.2 * 0.05  # slack: a share of the compute time
     assert rungs[0] < len(LADDER) - 1, "not the most compressed rung"
     strict, _, _ = plan_levels(
         link, 0.05, SHARDS, options=ControllerOptions(slack=0.0), extra_seconds=overhead
@@ -249,5 +254,12 @@ def test_measured_uncompressed_time_decides_for_none():
     assert fast == [0]
     slow, _, _ = plan_levels(link, 0.2, SHARDS, extra_seconds=overhead, none_seconds=0.5)
     assert slow[0] > 0
+    # nothing fits a 20 ms step: the measured all-reduce (30 ms) is left for rungs modelled at
+    # about 22 ms only when it is clearly slower, not on the model's word for 8 ms
+    tight = [0.0] + [0.02] * (len(LADDER) - 1)
+    stay, _, _ = plan_levels(link, 0.02, SHARDS, [0], extra_seconds=tight, none_seconds=0.03)
+    assert stay == [0]
+    leave, _, _ = plan_levels(link, 0.02, SHARDS, [0], extra_seconds=tight, none_seconds=0.05)
+    assert leave[0] > 0
     with pytest.raises(ValueError, match="cpu_seconds: one non-negative"):
         plan_levels(link, 0.2, SHARDS, cpu_seconds=[0.0])
