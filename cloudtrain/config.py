@@ -62,7 +62,8 @@ class CompressionConfig:
     regions: Any = "env"
     """Region of each rank: "env" (CLOUDTRAIN_REGION, else the host's region from
     CLOUDTRAIN_HOST_REGIONS; ranks without one are grouped by measured bandwidth), "probe" (always
-    by measured bandwidth), "per-rank" (each rank its own region), or a region name per rank."""
+    by measured bandwidth), "per-rank" (each rank its own region), or a region name per rank (a sequence, or one string
+    "us,us,eu,eu")."""
 
     timeout_s: float = 300.0
     """Seconds any collective may take before it raises, naming the stage and the peers."""
@@ -105,17 +106,21 @@ class CompressionConfig:
             raise ValueError(
                 f"residual_dtype={self.residual_dtype!r}; use one of {list(_RESIDUAL_DTYPES)}"
             )
+        if isinstance(self.regions, str) and "," in self.regions:
+            object.__setattr__(self, "regions", tuple(self.regions.split(",")))  # "us,us,eu,eu"
         if isinstance(self.regions, str):
-            if self.regions not in ("env", "per-rank"):
+            if self.regions not in ("env", "probe", "per-rank"):
                 raise ValueError(
-                    f"regions={self.regions!r}; use 'env', 'per-rank' or a region name per rank"
+                    f"regions={self.regions!r}; use 'env', 'probe', 'per-rank' or a region name "
+                    "per rank (a list, or 'us,us,eu,eu')"
                 )
         else:
             try:
                 regions = tuple(self.regions)
             except TypeError:
                 raise ValueError(
-                    f"regions={self.regions!r}; use 'env', 'per-rank' or a region name per rank"
+                    f"regions={self.regions!r}; use 'env', 'probe', 'per-rank' or a region name "
+                    "per rank"
                 ) from None
             if not regions or not all(isinstance(r, str) and r for r in regions):
                 raise ValueError("regions: give a non-empty region name for every rank")

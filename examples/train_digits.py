@@ -44,8 +44,6 @@ def wrap(model: torch.nn.Module, config: str, regions: str) -> torch.nn.Module:
     """Plain DDP for --config ddp, else CloudDDP with the preset or codec spec."""
     if config == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
-    if regions not in ("env", "probe", "per-rank"):
-        regions = tuple(regions.split(","))  # one region name per rank
     return cloudtrain.CloudDDP(model, cloudtrain.CompressionConfig.resolve(config, regions=regions))
 
 

@@ -448,6 +448,10 @@ def test_config_values_are_checked():
         CompressionConfig(residual_dtype="float16")
     with pytest.raises(ValueError, match="regions='everywhere'"):
         CompressionConfig(regions="everywhere")
+    with pytest.raises(ValueError, match="non-empty region name"):
+        CompressionConfig(regions="us,,eu")
+    assert CompressionConfig(regions="probe").regions == "probe"  # grouped by measured bandwidth
+    assert CompressionConfig(regions="us,us,eu").regions == ("us", "us", "eu")
     with pytest.raises(ValueError, match="leave level unset"):
         CompressionConfig(codec="auto", level=0.1)
     with pytest.raises(ValueError, match="verify_every=-1"):
