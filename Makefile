@@ -17,7 +17,7 @@ $(STAMP): $(INSTALL_INPUTS)
 	touch $@
 
 demo: install
-	$(PY) -m cloudtrain.bench
+	$(PY) -m cloudtrain.tools.bench
 
 test: install
 	$(PY) -m ruff check .

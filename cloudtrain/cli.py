@@ -15,12 +15,21 @@ from . import __version__
 
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module, one-line help)
-    "hosts": ("cloudtrain.hosts", "cluster hosts as a horovodrun -H string and each one's region"),
-    "launch": ("cloudtrain.launch", "run a training command on the cluster with horovodrun --gloo"),
-    "netem": ("cloudtrain.netem", "local WAN emulator: a namespace per rank, tbf-shaped regions"),
-    "probe": ("cloudtrain.probe", "measure bandwidth and latency between all ranks"),
+    "hosts": (
+        "cloudtrain.tools.hosts",
+        "cluster hosts as a horovodrun -H string and each one's region",
+    ),
+    "launch": (
+        "cloudtrain.tools.launch",
+        "run a training command on the cluster with horovodrun --gloo",
+    ),
+    "netem": (
+        "cloudtrain.tools.netem",
+        "local WAN emulator: a namespace per rank, tbf-shaped regions",
+    ),
+    "probe": ("cloudtrain.tools.probe", "measure bandwidth and latency between all ranks"),
     "bench": (
-        "cloudtrain.bench",
+        "cloudtrain.tools.bench",
         "DDP, fp16, PowerSGD and CloudDDP side by side over an emulated WAN",
     ),
 }

@@ -6,8 +6,7 @@ messages of growing size (64 KiB, doubling, until one takes `max_seconds` or rea
 latency + bytes / bandwidth (least squares), giving alpha (seconds, about one round trip) and beta
 (bytes per second) per direction. Every rank gets the whole matrix.
 
-    cloudtrain probe                          # under torchrun / horovodrun: prints the matrix
-    cloudtrain probe --netem NAME             # on every rank of a `cloudtrain netem` emulator
+    cloudtrain probe                          # the command (cloudtrain.tools.probe)
 
 `cluster_regions` groups ranks whose links are much faster among themselves than to the others
 (the largest gap in log-bandwidth, at least `min_ratio`), for ranks launched without
@@ -16,14 +15,9 @@ CLOUDTRAIN_REGION. The passive estimates during training live in cloudtrain.cont
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -180,64 +174,3 @@ def cluster_regions(links: LinkMatrix, min_ratio: float = 4.0) -> list[int]:
             parent[root(j)] = root(i)
     labels: dict[int, int] = {}
     return [labels.setdefault(root(r), len(labels)) for r in range(n)]
-
-
-# -- the `cloudtrain probe` command ------------------------------------------------------------------
-
-
-def _run_probe(as_json: bool) -> int:
-    from .bootstrap import init
-
-    init()
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
-    links = probe(group)
-    regions = cluster_regions(links)
-    if dist.get_rank() == 0:
-        if as_json:
-            print(
-                json.dumps(
-                    {
-                        "alpha_s": links.alpha,
-                        "beta_Bps": [
-                            [b if math.isfinite(b) else None for b in row] for row in links.beta
-                        ],
-                        "regions": regions,
-                    }
-                )
-            )
-        else:
-            print(f"links between {links.world_size} ranks (Mbit/s, latency):")
-            print(links.table())
-            print(f"regions found by bandwidth: {regions}")
-    dist.destroy_process_group()
-    return 0
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument(
-        "--netem", metavar="NAME", help="run one rank in each namespace of this emulator"
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    if not args.netem:
-        return _run_probe(args.json)
-    from .netem import Emulator
-
-    wan = Emulator.attach(args.netem)
-    argv = [sys.executable, "-m", "cloudtrain.probe"] + (["--json"] if args.json else [])
-    env = {"WORLD_SIZE": str(wan.world_size), "MASTER_PORT": "29517"}
-    procs = [
-        wan.popen(r, argv, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
-        for r in range(wan.world_size)
-    ]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    print(outputs[0], end="")
-    return max(p.returncode for p in procs)
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="cloudtrain probe")
-    configure(parser)
-    sys.exit(_run_probe(parser.parse_args().json))

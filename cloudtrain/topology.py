@@ -22,6 +22,10 @@ Groups (every rank creates every group, in the same order, as torch.distributed 
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -29,10 +33,43 @@ from typing import Any
 import torch.distributed as dist
 
 from .config import CompressionConfig
-from .hosts import region_of_this_host
 from .probe import LinkMatrix, cluster_regions, probe
 
 AUTO_REGION = "measured"
+REGION_ENV = "CLOUDTRAIN_REGION"
+HOST_REGIONS_ENV = "CLOUDTRAIN_HOST_REGIONS"
+
+
+def region_of_this_host(environ: Mapping[str, str] | None = None) -> str | None:
+    """This process's region: CLOUDTRAIN_REGION, else CLOUDTRAIN_HOST_REGIONS looked up by
+    HOROVOD_HOSTNAME (this rank's -H address), the host name, or its addresses; else None."""
+    env = os.environ if environ is None else environ
+    if env.get(REGION_ENV):
+        return env[REGION_ENV]
+    raw = env.get(HOST_REGIONS_ENV)
+    if not raw:
+        return None
+    try:
+        mapping = json.loads(raw)
+        if not isinstance(mapping, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        raise ValueError(
+            f"{HOST_REGIONS_ENV} must be a JSON object {{address: region}} ({e}): {raw[:200]!r}"
+        ) from e
+    if env.get("HOROVOD_HOSTNAME") in mapping:
+        return mapping[env["HOROVOD_HOSTNAME"]]
+    hostname = socket.gethostname()
+    if hostname in mapping:
+        return mapping[hostname]
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(hostname, None)}
+    except OSError:
+        addresses = set()
+    for addr in sorted(addresses):
+        if addr in mapping:
+            return mapping[addr]
+    return None
 
 
 def local_region_name(config: CompressionConfig, rank: int, world_size: int) -> str | None:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import cloudtrain
-from cloudtrain.data import digits, digits_mlp
+from cloudtrain.tools.data import digits, digits_mlp
 
 
 def wrap(model: torch.nn.Module, config: str, regions: str) -> torch.nn.Module:

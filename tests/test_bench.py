@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from cloudtrain import netem
+from cloudtrain.tools import netem
 
 pytestmark = pytest.mark.timeout(420)
 
 
 def test_bench_reports_wan_bytes_from_the_shaped_links(tmp_path):
     cmd = [
-        sys.executable, "-m", "cloudtrain.bench", "--steps", "8", "--warmup", "2", "--hidden", "256",
+        sys.executable, "-m", "cloudtrain.tools.bench", "--steps", "8", "--warmup", "2", "--hidden", "256",
         "--methods", "compute", "ddp", "cloud-topk-1pct", "--out", str(tmp_path), "--json",
     ]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)

@@ -21,13 +21,13 @@ import pytest
 from support import fake_aws_env
 
 from cloudtrain.cli import main
-from cloudtrain.hosts import (
+from cloudtrain.tools.hosts import (
     Host,
     horovod_hosts_arg,
     hosts_from_terraform_output,
-    region_of_this_host,
     sort_hosts,
 )
+from cloudtrain.topology import region_of_this_host
 
 TF_OUTPUT = Path(__file__).parent / "data" / "terraform-output.json"
 H_ARG = "10.1.0.23:4,10.1.0.57:4,10.0.0.12:8,10.0.0.44:8"
@@ -342,7 +342,7 @@ def test_launch_runs_horovodrun_and_ranks_find_their_region(tmp_path) -> None:
     }
     (tmp_path / "tf.json").write_text(json.dumps(tf))
     bin_dir = Path(sys.executable).parent
-    probe = "import os; from cloudtrain.hosts import region_of_this_host as r; print('rank', os.environ['HOROVOD_RANK'], 'region', r())"
+    probe = "import os; from cloudtrain.topology import region_of_this_host as r; print('rank', os.environ['HOROVOD_RANK'], 'region', r())"
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     env.pop("CLOUDTRAIN_REGION", None)
     result = subprocess.run(

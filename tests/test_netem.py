@@ -1,4 +1,4 @@
-"""The local WAN emulator (cloudtrain.netem): real namespaces, real tbf, real TCP and gloo.
+"""The local WAN emulator (cloudtrain.tools.netem): real namespaces, real tbf, real TCP and gloo.
 
 Tests that build emulators need root and usable `ip netns`; without them they skip with the
 reason. Each emulator gets a name unique to this run and is torn down by a fixture finalizer,
@@ -19,8 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from cloudtrain import netem
-from cloudtrain.netem import Emulator, WanSpec, link_profile, parse_mbit, parse_regions, teardown
+from cloudtrain.tools import netem
+from cloudtrain.tools.netem import (
+    Emulator,
+    WanSpec,
+    link_profile,
+    parse_mbit,
+    parse_regions,
+    teardown,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -127,7 +134,7 @@ def test_tbf_bucket_holds_a_gso_packet_and_queue_a_bdp():
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root+setpriv")
 def test_without_root_the_cli_says_root_is_needed():
     drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    if subprocess.run([*drop, PY, "-c", "import cloudtrain.netem"]).returncode != 0:
+    if subprocess.run([*drop, PY, "-c", "import cloudtrain.tools.netem"]).returncode != 0:
         pytest.skip("user nobody cannot import cloudtrain from this checkout")
     proc = subprocess.run([*drop, *CLI, "status"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "needs root" in proc.stderr, proc.stderr
@@ -335,7 +342,7 @@ dist.destroy_process_group()
 
 CRASHING_CHILD = """
 import sys, time
-from cloudtrain.netem import Emulator
+from cloudtrain.tools.netem import Emulator
 wan = Emulator({"us": 1, "eu": 1}, 100, name=sys.argv[1]).up()
 print(wan.popen(0, ["sleep", "60"]).pid, flush=True)
 time.sleep(60)

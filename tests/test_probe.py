@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
-from cloudtrain import netem
-from cloudtrain.netem import Emulator, teardown
+from cloudtrain.tools import netem
+from cloudtrain.tools.netem import Emulator, teardown
 
 AVAILABLE, WHY = netem.available()
 pytestmark = [

@@ -89,7 +89,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     import cloudtrain
-    from cloudtrain.data import digits, digits_mlp
+    from cloudtrain.tools.data import digits, digits_mlp
 
     torch.set_num_threads(1)
     if args.method == "compute":  # no process group: nothing but this rank's own work
@@ -171,7 +171,7 @@ class Run:
 
 def _worker_argv(method: str, args: argparse.Namespace) -> list[str]:
     return [
-        sys.executable, "-m", "cloudtrain.bench", "--worker", "--method", method,
+        sys.executable, "-m", "cloudtrain.tools.bench", "--worker", "--method", method,
         "--steps", str(args.steps), "--hidden", str(args.hidden), "--batch", str(args.batch),
         "--lr", str(args.lr), "--seed", str(args.seed), "--eval-every", str(args.eval_every),
     ]  # fmt: skip

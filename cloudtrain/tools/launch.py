@@ -4,10 +4,10 @@
     cloudtrain launch --ec2 --cluster demo --regions us-east-1,eu-west-1 -np 8 --dry-run -- ...
 
 runs `horovodrun --gloo -np N -H ip1:slots,ip2:slots,... python train.py ...` with hosts ordered
-by region (see cloudtrain.hosts) and N = all their slots unless -np says fewer. horovodrun cannot
+by region (see cloudtrain.tools.hosts) and N = all their slots unless -np says fewer. horovodrun cannot
 give each host its own environment, so the launcher exports CLOUDTRAIN_HOST_REGIONS (JSON,
 -H address -> region); horovodrun --gloo hands the launcher's environment to every rank, and each
-rank finds its region with cloudtrain.hosts.region_of_this_host(). --dry-run prints the command
+rank finds its region with cloudtrain.topology.region_of_this_host(). --dry-run prints the command
 (with that variable in front, as a shell would take it) instead of running it.
 """
 
@@ -21,9 +21,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from ..topology import HOST_REGIONS_ENV, REGION_ENV
 from .hosts import (
-    HOST_REGIONS_ENV,
-    REGION_ENV,
     Host,
     add_source_arguments,
     horovod_hosts_arg,

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import socket
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-REGION_ENV = "CLOUDTRAIN_REGION"
-HOST_REGIONS_ENV = "CLOUDTRAIN_HOST_REGIONS"
+from ..topology import REGION_ENV
+
 CLUSTER_TAG = "cloudtrain:cluster"
 REGION_TAG = "cloudtrain:region"
 SLOTS_TAG = "cloudtrain:slots"
@@ -198,38 +196,6 @@ def host_regions(hosts: Iterable[Host], address: str = "private") -> dict[str, s
             raise ValueError(f"two hosts have the address {addr}: each host must be listed once")
         regions[addr] = h.region
     return regions
-
-
-def region_of_this_host(environ: Mapping[str, str] | None = None) -> str | None:
-    """This process's region: CLOUDTRAIN_REGION, else CLOUDTRAIN_HOST_REGIONS looked up by
-    HOROVOD_HOSTNAME (this rank's -H address), the host name, or its addresses; else None."""
-    env = os.environ if environ is None else environ
-    if env.get(REGION_ENV):
-        return env[REGION_ENV]
-    raw = env.get(HOST_REGIONS_ENV)
-    if not raw:
-        return None
-    try:
-        mapping = json.loads(raw)
-        if not isinstance(mapping, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as e:
-        raise ValueError(
-            f"{HOST_REGIONS_ENV} must be a JSON object {{address: region}} ({e}): {raw[:200]!r}"
-        ) from e
-    if env.get("HOROVOD_HOSTNAME") in mapping:
-        return mapping[env["HOROVOD_HOSTNAME"]]
-    hostname = socket.gethostname()
-    if hostname in mapping:
-        return mapping[hostname]
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(hostname, None)}
-    except OSError:
-        addresses = set()
-    for addr in sorted(addresses):
-        if addr in mapping:
-            return mapping[addr]
-    return None
 
 
 # ------------------------------------------------------------------------------------ CLI

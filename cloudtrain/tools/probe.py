@@ -1,0 +1,78 @@
+"""`cloudtrain probe`: measure bandwidth and latency between all ranks and print the matrix.
+
+    cloudtrain probe                          # under torchrun / horovodrun: prints the matrix
+    cloudtrain probe --netem NAME             # on every rank of a `cloudtrain netem` emulator
+
+The measurement itself is cloudtrain.probe (core); this module is only the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..probe import cluster_regions, probe
+
+
+def _run_probe(as_json: bool) -> int:
+    from ..bootstrap import init
+
+    init()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
+    links = probe(group)
+    regions = cluster_regions(links)
+    if dist.get_rank() == 0:
+        if as_json:
+            print(
+                json.dumps(
+                    {
+                        "alpha_s": links.alpha,
+                        "beta_Bps": [
+                            [b if math.isfinite(b) else None for b in row] for row in links.beta
+                        ],
+                        "regions": regions,
+                    }
+                )
+            )
+        else:
+            print(f"links between {links.world_size} ranks (Mbit/s, latency):")
+            print(links.table())
+            print(f"regions found by bandwidth: {regions}")
+    dist.destroy_process_group()
+    return 0
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--netem", metavar="NAME", help="run one rank in each namespace of this emulator"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.netem:
+        return _run_probe(args.json)
+    from .netem import Emulator
+
+    wan = Emulator.attach(args.netem)
+    argv = [sys.executable, "-m", "cloudtrain.tools.probe"] + (["--json"] if args.json else [])
+    env = {"WORLD_SIZE": str(wan.world_size), "MASTER_PORT": "29517"}
+    procs = [
+        wan.popen(r, argv, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
+        for r in range(wan.world_size)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    print(outputs[0], end="")
+    return max(p.returncode for p in procs)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="cloudtrain probe")
+    configure(parser)
+    sys.exit(_run_probe(parser.parse_args().json))
