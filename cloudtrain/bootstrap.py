@@ -10,26 +10,74 @@
 The backend is NCCL where CUDA is available (each rank on its local GPU), else gloo. Every
 collective of the default group times out after `timeout_s` (CLOUDTRAIN_TIMEOUT, default 300 s)
 instead of torch's 30 minutes, so a dead peer is reported, not waited for.
+
+`control_group()` is the gloo group over all ranks that cloudtrain's own small collectives
+(checkpoint agreement, the preemption vote) run in, with that same timeout whoever initialised the
+default group: a rank that never arrives is reported after CLOUDTRAIN_TIMEOUT, not torch's 30 min.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "CLOUDTRAIN_TIMEOUT"
+
+
+def timeout_seconds(timeout_s: float | None = None) -> float:
+    """`timeout_s`, else CLOUDTRAIN_TIMEOUT, else 300: a finite number of seconds > 0."""
+    if timeout_s is None:
+        raw = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not raw:
+            return DEFAULT_TIMEOUT_S
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(
+                f"{TIMEOUT_ENV}={raw!r} is not a number: set it to the collective timeout in "
+                "seconds, e.g. CLOUDTRAIN_TIMEOUT=300"
+            ) from None
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"{TIMEOUT_ENV}={raw!r} must be a finite number of seconds > 0, e.g. 300"
+            )
+        return value
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+        raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
+    return float(timeout_s)
 
 
 def _timeout(timeout_s: float | None) -> timedelta:
-    if timeout_s is None:
-        timeout_s = float(os.environ.get("CLOUDTRAIN_TIMEOUT", DEFAULT_TIMEOUT_S))
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s={timeout_s!r} must be positive (seconds)")
-    return timedelta(seconds=timeout_s)
+    return timedelta(seconds=timeout_seconds(timeout_s))
+
+
+_control_groups: dict[float, tuple[Any, Any]] = {}
+"""timeout -> (the default group it was made under, the group)."""
+
+
+def control_group(timeout_s: float | None = None) -> Any:
+    """A gloo group of all ranks with cloudtrain's timeout (see the module docstring), or None
+    when torch.distributed is not initialised. Created on first use - a collective call, so every
+    rank must make its first call with a given timeout at the same point of the program."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    seconds = timeout_seconds(timeout_s)
+    world = dist.group.WORLD
+    cached = _control_groups.get(seconds)
+    # A group made under an earlier init_process_group is unusable: make a new one.
+    if cached is None or cached[0] is not world:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+        _control_groups[seconds] = cached = (world, group)
+    return cached[1]
 
 
 def _backend(backend: str | None) -> str:

@@ -1,12 +1,100 @@
 """Fixtures shared by the test files: a real S3/EC2 protocol server (moto's server mode) on
-loopback (support.fake_aws_env points boto3 at it)."""
+loopback (support.fake_aws_env points boto3 at it).
+
+Also the rule that keeps the suite from going green by skipping: CLOUDTRAIN_REQUIRE (set by
+`make test` to what the machine supports) names the parts that must work here - native (the
+cloudtrain._C ops load), netem (the WAN emulator can be built: root, ip, tc), horovod (horovodrun
+and horovod.torch) - and the run stops with an error when one does not, instead of skipping every
+test that needs it. A machine with a CUDA device must also have the CUDA kernels built, whatever
+CLOUDTRAIN_REQUIRE says. Only what the machine truly lacks (a GPU) is left to skips.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from support import REQUIRE_ENV, required_parts
+
+_NATIVE_PROBE = """
+import json
+import torch
+from cloudtrain.compress import ops
+print(json.dumps({"native": ops.NATIVE, "gpu": torch.cuda.is_available(),
+                  "cuda_kernels": ("ef_topk_select", "cuda") in ops.KERNELS}))
+"""
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter: what an import leaves behind must not leak into the run."""
+    base = {k: v for k, v in os.environ.items() if k != "CLOUDTRAIN_NO_NATIVE"}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**base, **env},
+        cwd=Path(__file__).resolve().parents[1],
+    )
+
+
+def _native_state() -> tuple[dict, str]:
+    """What the native library gives in a fresh interpreter, and the warning that says why not."""
+    res = _python(_NATIVE_PROBE.replace('warnings.simplefilter("ignore")', ""))
+    lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
+    if res.returncode != 0 or not lines:
+        return {"native": False, "gpu": False, "cuda_kernels": False}, res.stderr[-2000:]
+    return json.loads(lines[-1]), res.stderr.strip()[-2000:]
+
+
+def missing_parts(parts: set[str]) -> list[str]:
+    """Why each required part (and the CUDA kernels, where a GPU is) does not work here."""
+    problems = []
+    import torch
+
+    if "native" in parts or torch.cuda.is_available():
+        state, why = _native_state()
+        if "native" in parts and not state["native"]:
+            problems.append(f"native: cloudtrain._C does not load: {why or 'no reason given'}")
+        if state["gpu"] and not state["cuda_kernels"]:
+            problems.append(
+                "cuda: this machine has a CUDA device but the CUDA kernels are not built: "
+                "build with `pip install --no-build-isolation -e .` where nvcc is (scripts/gpu-check)"
+            )
+    if "netem" in parts:
+        from cloudtrain.tools import netem
+
+        ok, why = netem.available()
+        if not ok:
+            problems.append(f"netem: the WAN emulator cannot be built: {why}")
+    if "horovod" in parts:
+        horovodrun = Path(sys.executable).with_name("horovodrun")
+        res = _python("import horovod.torch")
+        if not horovodrun.exists() or res.returncode != 0:
+            why = res.stderr.strip().splitlines()[-1:] or [f"{horovodrun} is missing"]
+            problems.append(f"horovod: {why[0]}; scripts/install-horovod builds it")
+    return problems
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller checked already
+        return
+    try:
+        parts = required_parts()
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+    problems = missing_parts(parts)
+    if problems:
+        raise pytest.UsageError(
+            f"parts this machine must test are missing ({REQUIRE_ENV}={','.join(sorted(parts))}); "
+            "the run fails instead of skipping them:\n  " + "\n  ".join(problems)
+        )
 
 
 @pytest.fixture(scope="session")

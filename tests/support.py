@@ -38,3 +38,31 @@ def fake_aws_env(moto_url: str, *services: str) -> dict[str, str]:
     }
     env.update({f"AWS_ENDPOINT_URL_{service}": moto_url for service in services})
     return env
+
+
+REQUIRE_ENV = "CLOUDTRAIN_REQUIRE"
+"""Comma-separated parts of cloudtrain this machine must test (native, netem, horovod): `make
+test` sets it to what the machine supports, and a missing required part fails the run instead of
+turning into skips (see conftest.py)."""
+PARTS = ("native", "netem", "horovod")
+
+
+def required_parts(environ: dict[str, str] | None = None) -> set[str]:
+    """The parts named in CLOUDTRAIN_REQUIRE; ValueError for a name that is not a part."""
+    raw = (os.environ if environ is None else environ).get(REQUIRE_ENV, "")
+    parts = {p.strip() for p in raw.split(",") if p.strip()}
+    unknown = sorted(parts - set(PARTS))
+    if unknown:
+        raise ValueError(
+            f"{REQUIRE_ENV}={raw!r} names {', '.join(unknown)}: the parts are {', '.join(PARTS)}"
+        )
+    return parts
+
+
+def skip_or_fail(part: str, reason: str) -> None:
+    """A test cannot run because `part` is missing: skip, or fail where the part is required."""
+    import pytest
+
+    if part in required_parts():
+        pytest.fail(f"{reason} ({REQUIRE_ENV} requires {part!r} on this machine)")
+    pytest.skip(reason)

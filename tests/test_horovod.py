@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from support import skip_or_fail
 
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 
@@ -22,7 +22,7 @@ print(f"rank {hvd.rank()}/{hvd.size()} sum {s.tolist()}", flush=True)
 
 def test_horovodrun_gloo_allreduce(tmp_path):
     if not HOROVODRUN.exists():
-        pytest.fail("horovodrun is missing: `make test` installs it with scripts/install-horovod")
+        skip_or_fail("horovod", "horovodrun is missing: `make install` builds it")
     script = tmp_path / "allreduce.py"
     script.write_text(SCRIPT)
     cmd = [str(HOROVODRUN), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, str(script)]

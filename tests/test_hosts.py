@@ -11,14 +11,13 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import fake_aws_env
+from support import fake_aws_env, skip_or_fail
 
 from cloudtrain.cli import main
 from cloudtrain.tools.hosts import (
@@ -128,6 +127,22 @@ def test_order_is_region_then_name() -> None:
             '{"name": "b", "region": "r", "private_ip": "1.2.3.4", "slots": 1}]}}',
             "two hosts have the address 1.2.3.4",
         ),
+        *[
+            (
+                '{"hosts": {"value": [{"name": "evil", "region": "r", "private_ip": '
+                + json.dumps(addr)
+                + ', "slots": 1}]}}',
+                f"host 'evil': address {addr!r} is not an IPv4 address or a DNS host name",
+            )
+            for addr in (
+                "10.0.0.1,10.0.0.2",
+                "10.0.0.1:8",
+                "10.0.0.1 x",
+                "h;rm -rf ~",
+                "$(id)",
+                "1.2.3.999",
+            )
+        ],
     ],
 )
 def test_bad_terraform_output(tmp_path, capsys, content: str, message: str) -> None:
@@ -293,6 +308,49 @@ def test_launch_options(capsys) -> None:
     assert rc == 127 and "not found" in err
 
 
+SECRETS = {
+    "AWS_ACCESS_KEY_ID": "AKIAOPERATOR",
+    "AWS_SECRET_ACCESS_KEY": "operator-secret-value",
+    "AWS_SESSION_TOKEN": "operator-session-token",
+    "CLOUDTRAIN_API_TOKEN": "ct-token-value",
+    "DB_PASSWORD": "db-password-value",
+    "GITHUB_KEY": "gh-key-value",
+}
+
+
+def test_launch_forwards_an_allow_list_and_never_secrets(capsys, monkeypatch) -> None:
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("UNRELATED_SETTING", "x")
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("MY_DATA_DIR", "/data")
+    rc, out, err = _cli(
+        capsys,
+        "launch",
+        "-t",
+        str(TF_OUTPUT),
+        "--env",
+        "MY_DATA_DIR",
+        "--dry-run",
+        "python",
+        "t.py",
+    )
+    assert rc == 0
+    for value in SECRETS.values():
+        assert value not in out and value not in err
+    forwarded = err.split("forwarded to the ranks: ")[1].split(";")[0].split()
+    assert {"NCCL_DEBUG", "MY_DATA_DIR", "PATH", "CLOUDTRAIN_HOST_REGIONS"} <= set(forwarded)
+    assert not set(forwarded) & ({*SECRETS, "UNRELATED_SETTING"})
+    assert "never forwarded (secrets): " + " ".join(sorted(["CLOUDTRAIN_API_TOKEN"])) in err
+    for name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "DB_PASSWORD"):
+        rc, _, err = _cli(capsys, "launch", "-t", str(TF_OUTPUT), "--env", name, "--dry-run", "x")
+        assert rc == 2 and f"--env {name}: refusing to forward" in err
+    rc, _, err = _cli(
+        capsys, "launch", "-t", str(TF_OUTPUT), "--env", "NOT_SET_X", "--dry-run", "x"
+    )
+    assert rc == 2 and "NOT_SET_X is not set" in err
+
+
 # ------------------------------------------------------------------------------- regions
 
 
@@ -320,12 +378,33 @@ def test_region_of_this_host(monkeypatch) -> None:
     assert region_of_this_host() == "sa-east-1"
 
 
-@pytest.mark.skipif(
-    shutil.which("horovodrun") is None
-    and not Path(sys.executable).with_name("horovodrun").exists(),
-    reason="horovod is not installed",
+RANK_PROBE = """
+import json, os
+from cloudtrain.topology import region_of_this_host
+secrets = json.loads(os.environ["PROBE_SECRETS"]) if "PROBE_SECRETS" in os.environ else None
+lines, pid = [], os.getpid()
+while pid > 1:  # this rank's command line and its launchers' (what `ps` shows)
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        lines.append(f.read().replace(b"\\0", b" ").decode(errors="replace"))
+    with open(f"/proc/{pid}/stat") as f:
+        pid = int(f.read().rsplit(")", 1)[1].split()[1])
+leaked = sorted(
+    n for n in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "DB_PASSWORD")
+    if n in os.environ
 )
+in_cmdline = [v for v in ("operator-secret-value", "operator-session-token") if any(v in c for c in lines)]
+print("rank", os.environ["HOROVOD_RANK"], "region", region_of_this_host(),
+      "leaked", leaked, "cmdline", in_cmdline, "data", os.environ.get("MY_DATA_DIR"), flush=True)
+"""
+
+
 def test_launch_runs_horovodrun_and_ranks_find_their_region(tmp_path) -> None:
+    """A real horovodrun (installed by `make install`) on 127.0.0.1: every rank finds its
+    region, gets what --env asked for, and none of the launcher's credentials - neither in its
+    environment nor on any command line above it."""
+    bin_dir = Path(sys.executable).parent
+    if not (bin_dir / "horovodrun").exists():
+        skip_or_fail("horovod", "horovodrun is missing: `make install` builds it")
     tf = {
         "hosts": {
             "value": [
@@ -341,9 +420,9 @@ def test_launch_runs_horovodrun_and_ranks_find_their_region(tmp_path) -> None:
         }
     }
     (tmp_path / "tf.json").write_text(json.dumps(tf))
-    bin_dir = Path(sys.executable).parent
-    probe = "import os; from cloudtrain.topology import region_of_this_host as r; print('rank', os.environ['HOROVOD_RANK'], 'region', r())"
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    (tmp_path / "probe.py").write_text(RANK_PROBE)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **SECRETS}
+    env["MY_DATA_DIR"] = "/data"
     env.pop("CLOUDTRAIN_REGION", None)
     result = subprocess.run(
         [
@@ -351,11 +430,12 @@ def test_launch_runs_horovodrun_and_ranks_find_their_region(tmp_path) -> None:
             "launch",
             "-t",
             str(tmp_path / "tf.json"),
+            "--env",
+            "MY_DATA_DIR",
             "--horovodrun-arg=--network-interface=lo",
             "--",
             sys.executable,
-            "-c",
-            probe,
+            str(tmp_path / "probe.py"),
         ],
         env=env,
         capture_output=True,
@@ -363,6 +443,9 @@ def test_launch_runs_horovodrun_and_ranks_find_their_region(tmp_path) -> None:
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert (
-        "rank 0 region loopback-1" in result.stdout and "rank 1 region loopback-1" in result.stdout
-    )
+    for rank in (0, 1):
+        assert f"rank {rank} region loopback-1 leaked [] cmdline [] data /data" in result.stdout, (
+            result.stdout
+        )
+    for value in SECRETS.values():
+        assert value not in result.stdout + result.stderr

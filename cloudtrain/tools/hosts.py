@@ -20,6 +20,7 @@ resolves its own with `region_of_this_host()`; a CLOUDTRAIN_REGION set on the ho
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import re
 import sys
@@ -32,6 +33,30 @@ from ..topology import REGION_ENV
 CLUSTER_TAG = "cloudtrain:cluster"
 REGION_TAG = "cloudtrain:region"
 SLOTS_TAG = "cloudtrain:slots"
+
+# What horovodrun's -H "addr:slots,addr:slots" and the ranks' command lines can carry unquoted:
+# an IPv4 address or a DNS name. A comma would add a host, a colon change the slots, a space or a
+# shell metacharacter split or extend the remote command.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
+
+
+def check_address(address: str, host: str = "") -> str:
+    """`address` if it is an IPv4 address or a DNS host name; else ValueError naming the host."""
+    if isinstance(address, str):
+        try:
+            ipaddress.IPv4Address(address)
+            return address
+        except ValueError:
+            pass
+        if _HOSTNAME.match(address) and not address.replace(".", "").isdigit():
+            return address
+    who = f"host {host!r}: " if host else ""
+    raise ValueError(
+        f"{who}address {address!r} is not an IPv4 address or a DNS host name (a comma, colon, "
+        "space or shell character would change horovodrun's -H list or the remote command): "
+        "fix the Terraform output or the EC2 data it came from"
+    )
 
 
 @dataclass(frozen=True)
@@ -56,6 +81,9 @@ class Host:
             raise ValueError(f"host {self}: name and region must not be empty")
         if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
             raise ValueError(f"host {self.name!r}: slots={self.slots!r} must be an integer >= 1")
+        for addr in (self.private_ip, self.public_ip):
+            if addr is not None:
+                check_address(addr, self.name)
 
     def address(self, kind: str = "private") -> str:
         """The address of `kind` ("private" or "public"); raises if the host has none."""
