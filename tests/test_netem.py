@@ -1,8 +1,11 @@
-"""The local WAN emulator (cloudtrain.tools.netem): real namespaces, real tbf, real TCP and gloo.
+"""The local WAN emulator (cloudtrain.tools.netem): real namespaces, real tbf, the real delay line,
+real TCP and gloo.
 
-Tests that build emulators need root and usable `ip netns`; without them they skip with the
-reason. Each emulator gets a name unique to this run and is torn down by a fixture finalizer,
-also when the test fails.
+Tests that build emulators need root and iproute2; without them they skip with the reason. With
+them, the emulator must work: a failure to build one fails the test (it never reads as
+"unavailable"). Each emulator gets a name unique to this run and is torn down by a fixture
+finalizer, also when the test fails; the finalizer also checks that no namespace and no relay of
+that name is left.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from cloudtrain.tools import netem
 from cloudtrain.tools.netem import (
     Emulator,
     WanSpec,
+    check_name,
     link_profile,
     parse_mbit,
     parse_regions,
@@ -31,15 +35,23 @@ from cloudtrain.tools.netem import (
 
 pytestmark = pytest.mark.timeout(120)
 
-AVAILABLE, WHY = netem.available()
-needs_root = pytest.mark.skipif(not AVAILABLE, reason=f"WAN emulator unavailable: {WHY}")
+MACHINE = (
+    sys.platform.startswith("linux")
+    and os.geteuid() == 0
+    and bool(shutil.which("ip") and shutil.which("tc"))
+)
+needs_root = pytest.mark.skipif(not MACHINE, reason="the WAN emulator needs root and iproute2")
+DELAYED = (netem.DELAY_LINE, netem.DELAY_NETEM)
 PY = sys.executable
 CLI = [PY, "-m", "cloudtrain.cli", "netem"]
 
 
 @pytest.fixture
 def unique_name(request):
-    """A fresh emulator name per call; everything under it is removed at the end of the test."""
+    """A fresh emulator name per call; everything under it is removed at the end of the test,
+    and nothing of it may be left: no namespace, no relay process."""
+    ok, why = netem.available()
+    assert ok, f"root with iproute2 but the emulator reports itself unavailable: {why}"
     names = []
 
     def make() -> str:
@@ -49,9 +61,25 @@ def unique_name(request):
     def cleanup() -> None:
         for name in names:
             teardown(name)
+        for name in names:
+            assert our_namespaces(name) == set() and relay_pids(name) == []
 
     request.addfinalizer(cleanup)
     return make
+
+
+def relay_pids(name: str) -> list[int]:
+    """Live relay processes of emulator `name`, from /proc (what `ps` shows)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and not gone(int(proc.name)):
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"relay" in argv and f"--name={name}".encode() in argv:
+                pids.append(int(proc.name))
+    return pids
 
 
 def our_namespaces(name: str) -> set[str]:
@@ -82,8 +110,9 @@ def in_rank(wan: Emulator, rank: int, code: str, *args: str) -> str:
 
 
 def test_profiles_and_parsing():
-    assert link_profile("us-eu") == netem.LinkProfile(210, 103)
-    assert link_profile("eu-asia") == netem.LinkProfile(76, 253)
+    assert link_profile("us-eu") == netem.LinkProfile(210, 80)
+    assert link_profile("us-asia").rtt_ms == 180 and link_profile("eu-asia").rtt_ms == 230
+    assert link_profile("us-us").rtt_ms == 65
     assert link_profile("intra-zone") == netem.LinkProfile(5000, 0.2)
     assert link_profile("500mbit") == netem.LinkProfile(500, 0)
     assert link_profile("42mbit") == netem.LinkProfile(42, 0)
@@ -98,12 +127,29 @@ def test_profiles_and_parsing():
     assert parse_mbit("us=1000,eu=50", ["us", "eu"]) == {"us": 1000.0, "eu": 50.0}
 
 
+def test_pair_rtt_is_the_mean_of_the_regions_shares():
+    one = WanSpec({"us": 1, "eu": 1, "asia": 1}, dict.fromkeys(("us", "eu", "asia"), 100.0), 80)
+    assert one.pair_rtt_ms("us", "eu") == one.pair_rtt_ms("eu", "asia") == 80
+    assert one.link_delay_ms("us") == 20 and one.pair_rtt_ms("us", "us") == 0
+    # us-eu 80, us-asia 180, eu-asia 230 ms (DESIGN's published figures) as shares
+    shares = {"us": 30.0, "eu": 130.0, "asia": 330.0}
+    spec = WanSpec(dict.fromkeys(shares, 1), dict.fromkeys(shares, 100.0), shares)
+    pairs = (("us", "eu"), ("us", "asia"), ("eu", "asia"))
+    assert [spec.pair_rtt_ms(a, b) for a, b in pairs] == [80, 180, 230]
+    # one way from a to b crosses a's link and b's link
+    assert spec.link_delay_ms("us") + spec.link_delay_ms("eu") == spec.pair_rtt_ms("us", "eu") / 2
+    with pytest.raises(ValueError, match="one share per region"):
+        WanSpec({"us": 1, "eu": 1}, {"us": 1.0, "eu": 1.0}, {"us": 30.0})
+    with pytest.raises(ValueError, match="rtt_ms"):
+        WanSpec({"us": 1}, {"us": 1.0}, -1.0)
+
+
 def test_bad_config_is_rejected_with_a_fix():
     with pytest.raises(ValueError, match="one per region"):
         WanSpec({"us": 1, "eu": 1}, {"us": 100.0})
     with pytest.raises(ValueError, match="positive"):
         WanSpec({"us": 1}, {"us": 0.0})
-    with pytest.raises(ValueError, match="bad name"):
+    with pytest.raises(ValueError, match="bad emulator name"):
         WanSpec({"us": 1}, {"us": 1.0}, name="Has Space")
     with pytest.raises(ValueError, match="ranks must be"):
         WanSpec({"us": 0}, {"us": 1.0})
@@ -122,6 +168,29 @@ def test_addresses_are_deterministic_and_ranks_go_region_by_region():
     env = wan.env(3, {"RANK": "3"})
     assert env["GLOO_SOCKET_IFNAME"] == "eth0" and env["MASTER_ADDR"] == "10.77.0.1"
     assert env["CLOUDTRAIN_REGION"] == "eu" and env["RANK"] == "3"
+
+
+@pytest.mark.parametrize("bad", ["../../x", "..", "", "a/b", "x" * 33, "-x", "a\x00b", "A"])
+def test_emulator_names_are_plain_names(bad):
+    with pytest.raises(ValueError, match="bad emulator name"):
+        check_name(bad)
+    with pytest.raises(ValueError, match="bad emulator name"):
+        teardown(bad)
+    assert check_name("t1-abc") == "t1-abc"
+
+
+@needs_root
+def test_down_with_a_path_as_name_touches_nothing_outside_the_state_folder():
+    """`down --name ../x` once resolved /run/cloudtrain-netem/../x.json, deleting a file there."""
+    victim = Path(f"/run/ct-victim-{uuid.uuid4().hex[:8]}.json")
+    victim.write_text("{}")
+    try:
+        name = f"../{victim.stem}"
+        proc = subprocess.run([*CLI, "down", "--name", name], capture_output=True, text=True)
+        assert proc.returncode == 2 and "bad emulator name" in proc.stderr, proc.stderr
+        assert victim.exists()
+    finally:
+        victim.unlink(missing_ok=True)
 
 
 def test_tbf_bucket_holds_a_gso_packet_and_queue_a_bdp():
@@ -151,7 +220,7 @@ def test_up_down_leaves_nothing_and_never_touches_the_root_namespace(unique_name
         assert our_namespaces(name) == {f"ct-{name}-wan", *map(wan.namespace, range(4))}
         assert Path(f"/run/cloudtrain-netem/{name}.json").exists()
         assert root_links() == links_before
-        assert wan.emulation == "rate only"
+        assert wan.emulation == netem.RATE_ONLY and wan.relays == {}
     assert our_namespaces(name) == set()
     assert not Path(f"/run/cloudtrain-netem/{name}.json").exists()
     assert root_links() == links_before
@@ -229,36 +298,92 @@ def test_asymmetric_links_each_way(unique_name):
     assert 170 <= into_eu <= 202, into_eu
 
 
-@needs_root
-def test_delay_is_applied_exactly_where_the_kernel_has_netem(unique_name):
-    echo = """
-import socket, sys, time
-s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
-times = []
-for _ in range(5):
-    t = time.monotonic(); s.sendall(b"x"); s.recv(1); times.append(time.monotonic() - t)
-print(min(times) * 1000)
-"""
-    server = """
+ECHO_SERVER = """
 import socket, sys
-srv = socket.create_server((sys.argv[1], 7000)); print("ready", flush=True)
-c, _ = srv.accept()
-while b := c.recv(1): c.sendall(b)
+srv = socket.create_server((sys.argv[1], int(sys.argv[2]))); print("ready", flush=True)
+while True:
+    c, _ = srv.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while b := c.recv(1):
+        c.sendall(b)
 """
+
+ECHO_CLIENT = """
+import json, socket, sys, time
+connect, rtts = [], []
+for _ in range(5):  # the fastest of several: a busy machine only ever adds
+    t = time.monotonic()
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])))  # SYN, SYN-ACK: one round trip
+    connect.append(time.monotonic() - t)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for _ in range(5):
+        t = time.monotonic(); s.sendall(b"x"); s.recv(1); rtts.append(time.monotonic() - t)
+    s.close()
+print(json.dumps({"connect_ms": 1000 * min(connect), "echo_ms": 1000 * min(rtts)}))
+"""
+
+
+def round_trips(wan: Emulator, src: int, dst: int, port: int = 7000) -> dict[str, float]:
+    """TCP connect time and 1-byte echo time (the fastest of several) from rank src to dst."""
+    server = wan.popen(
+        dst, [PY, "-c", ECHO_SERVER, wan.address(dst), str(port)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        return json.loads(in_rank(wan, src, ECHO_CLIENT, wan.address(dst), str(port)))
+    finally:
+        server.kill()
+        server.wait()
+
+
+@needs_root
+def test_delay_line_delays_by_the_configured_rtt_and_carries_the_rate(unique_name):
+    """80 ms between regions: a round trip across regions takes 80 ms (+-10%), one inside a
+    region none of it; one TCP flow through the 100 Mbit/s link gets most of the rate, never
+    more. (At 80 ms one flow spends its first half second or so in slow start; here it got 87-91
+    Mbit/s over 3 s, so 60% leaves room for a busy machine while catching a relay that drops
+    or stalls frames.)"""
+    with Emulator({"us": 2, "eu": 1}, 100, rtt_ms=80, name=unique_name()) as wan:
+        assert wan.emulation in DELAYED, wan.emulation_note
+        if wan.emulation == netem.DELAY_LINE:
+            assert set(wan.relays) == {"us", "eu"} and relay_pids(wan.name) != []
+            state = json.loads(Path(f"/run/cloudtrain-netem/{wan.name}.json").read_text())
+            assert state["relays"] == wan.relays and state["relay"]["mbit"] > 200
+        cross = round_trips(wan, 0, 2)
+        inside = round_trips(wan, 0, 1)
+        back = round_trips(wan, 2, 0, port=7001)
+        mbit = wan.measure_mbit(0, 2, seconds=3.0)
+    print(f"across: {cross}, back: {back}, inside a region: {inside}; TCP {mbit:.1f} Mbit/s")
+    assert wan.rtt_ms(0, 2) == 80 and wan.rtt_ms(0, 1) == 0
+    for measured in (cross["connect_ms"], cross["echo_ms"], back["echo_ms"]):
+        assert 72 <= measured <= 88, (cross, back)
+    assert inside["echo_ms"] < 5 and inside["connect_ms"] < 5, inside
+    assert 60 <= mbit <= 110, mbit
+
+
+@needs_root
+def test_per_region_rtt_shares_give_each_pair_its_rtt(unique_name):
+    shares = {"us": 30, "eu": 130, "asia": 330}  # us-eu 80, us-asia 180, eu-asia 230 ms
+    with Emulator(dict.fromkeys(shares, 1), 100, rtt_ms=shares, name=unique_name()) as wan:
+        measured = {
+            (a, b): round_trips(wan, a, b, port=7000 + a)["echo_ms"]
+            for a, b in ((0, 1), (0, 2), (1, 2))
+        }
+    print(measured)
+    for (a, b), ms in measured.items():
+        assert 0.9 * wan.rtt_ms(a, b) <= ms <= 1.1 * wan.rtt_ms(a, b), measured
+
+
+@needs_root
+def test_a_rate_the_relay_cannot_carry_is_refused(unique_name):
+    name = unique_name()
+    with pytest.raises(netem.EmulatorError, match="delay relay"):
+        Emulator({"us": 1, "eu": 1}, 100_000, rtt_ms=40, name=name).up()
+    assert our_namespaces(name) == set() and relay_pids(name) == []
     with Emulator({"us": 1, "eu": 1}, 100, rtt_ms=40, name=unique_name()) as wan:
-        if wan.emulation == "rate only":
-            assert "NOT emulated" in wan.emulation_note
-            pytest.skip(f"rate only here: {wan.emulation_note}")
-        assert wan.emulation == "rate and delay"
-        srv = wan.popen(1, [PY, "-c", server, wan.address(1)], stdout=subprocess.PIPE, text=True)
-        try:
-            assert srv.stdout.readline().strip() == "ready"
-            rtt = float(in_rank(wan, 0, echo, wan.address(1), "7000"))
-        finally:
-            srv.kill()
-            srv.wait()
-        assert 38 <= rtt <= 60, rtt
-        assert 80 <= wan.measure_mbit(0, 1, seconds=1.5) <= 101
+        with pytest.raises(netem.EmulatorError, match="lower the rate"):
+            wan.set_rate("eu", 100_000)
+        assert wan.mbit["eu"] == 100
 
 
 @needs_root
@@ -343,7 +468,7 @@ dist.destroy_process_group()
 CRASHING_CHILD = """
 import sys, time
 from cloudtrain.tools.netem import Emulator
-wan = Emulator({"us": 1, "eu": 1}, 100, name=sys.argv[1]).up()
+wan = Emulator({"us": 1, "eu": 1}, 100, rtt_ms=40, name=sys.argv[1]).up()
 print(wan.popen(0, ["sleep", "60"]).pid, flush=True)
 time.sleep(60)
 """
@@ -355,6 +480,13 @@ def start_child(name: str) -> tuple[subprocess.Popen, int]:
     return child, sleeper
 
 
+def wait_gone(pids: list[int], seconds: float = 5) -> bool:
+    deadline = time.monotonic() + seconds
+    while not all(map(gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return all(map(gone, pids))
+
+
 @needs_root
 @pytest.mark.parametrize("state_file", ["kept", "lost"])
 def test_down_cleans_up_after_sigkill(unique_name, state_file):
@@ -363,7 +495,12 @@ def test_down_cleans_up_after_sigkill(unique_name, state_file):
     child, sleeper = start_child(name)
     child.kill()
     child.wait()
-    assert len(our_namespaces(name)) == 3 and not gone(sleeper)  # the crash left it all behind
+    relays = relay_pids(name)
+    # the crash left it all behind: namespaces, a rank's process, the relays
+    assert len(our_namespaces(name)) == 3 and not gone(sleeper)
+    state = json.loads(Path(f"/run/cloudtrain-netem/{name}.json").read_text())
+    if state["emulation"] == netem.DELAY_LINE:
+        assert sorted(relays) == sorted(state["relays"].values()) and len(relays) == 2
     if state_file == "lost":
         Path(f"/run/cloudtrain-netem/{name}.json").unlink()
     proc = subprocess.run([*CLI, "down", "--name", name], capture_output=True, text=True)
@@ -372,10 +509,63 @@ def test_down_cleans_up_after_sigkill(unique_name, state_file):
     assert our_namespaces(name) == set()
     assert not Path(f"/run/cloudtrain-netem/{name}.json").exists()
     assert root_links() == links_before
-    deadline = time.monotonic() + 5
-    while not gone(sleeper) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert gone(sleeper)
+    assert wait_gone([sleeper, *relays]) and relay_pids(name) == []
+
+
+@needs_root
+def test_teardown_never_touches_a_namespace_it_did_not_create(unique_name):
+    name = unique_name()
+    foreign = [f"ct-{name}-wan", f"ct-{name}-r0"]  # named like ours, made by someone else
+    try:
+        for ns in foreign:
+            subprocess.run(["ip", "netns", "add", ns], check=True)
+        assert netem.leftovers(name) == [] and netem.leftovers(None).count(foreign[0]) == 0
+        assert teardown(name) == []
+        assert our_namespaces(name) == set(foreign)
+    finally:
+        for ns in foreign:
+            subprocess.run(["ip", "netns", "del", ns])
+
+
+DOWN_ALL = """
+set -e
+mkdir -p /run/netns /run/cloudtrain-netem
+mount -t tmpfs ct-test /run/netns
+mount -t tmpfs ct-test /run/cloudtrain-netem
+ip netns add ct-{foreign}-wan
+ip netns add ct-{foreign}-r0
+ip netns add other-ns
+{cli} up --regions a:1,b:1 --mbit 100 --rtt-ms 40 --name {ours} > /dev/null
+echo "before: $(ip netns list | cut -d' ' -f1 | sort | tr '\n' ' ')"
+{cli} down --all
+echo "after: $(ip netns list | cut -d' ' -f1 | sort | tr '\n' ' ')"
+ip netns del ct-{foreign}-wan; ip netns del ct-{foreign}-r0; ip netns del other-ns
+"""
+
+
+@needs_root
+@pytest.mark.skipif(not shutil.which("unshare"), reason="needs unshare (util-linux)")
+def test_down_all_removes_only_what_this_emulator_made(unique_name):
+    """`down --all` in a private mount namespace (so it sees none of the emulators other test
+    runs have up at the same time): our emulator goes, namespaces named like ours stay."""
+    ours, foreign = unique_name(), unique_name()
+    script = DOWN_ALL.format(cli=" ".join([*CLI]), ours=ours, foreign=foreign)
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    before, removed, after = proc.stdout.strip().splitlines()[-3:]
+    assert f"ct-{ours}-wan" in before and f"ct-{ours}-r1" in before
+    assert f"ct-{ours}-wan" in removed and f"ct-{foreign}" not in removed
+    assert set(after.removeprefix("after:").split()) == {
+        f"ct-{foreign}-wan",
+        f"ct-{foreign}-r0",
+        "other-ns",
+    }
+    assert relay_pids(ours) == []
 
 
 @needs_root
@@ -383,8 +573,9 @@ def test_sigterm_cleans_up(unique_name):
     name = unique_name()
     child, sleeper = start_child(name)
     child.send_signal(signal.SIGTERM)
+    relays = relay_pids(name)
     assert child.wait(timeout=30) == 128 + signal.SIGTERM
-    assert our_namespaces(name) == set()
+    assert our_namespaces(name) == set() and wait_gone(relays)
     assert not Path(f"/run/cloudtrain-netem/{name}.json").exists()
     assert gone(sleeper)
 
@@ -403,11 +594,13 @@ def test_cli_up_status_rate_exec_down(unique_name):
     assert cli("rate", "--region", "eu", "--mbit", "50", "--name", name).returncode == 0
     status = json.loads(cli("status", "--name", name, "--json").stdout)
     (emu,) = status["emulators"]
-    assert emu["emulation"] in ("rate only", "rate and delay") and emu["rtt_ms"] == 103
+    assert emu["emulation"] in DELAYED and emu["rtt_ms"] == 80
     assert {r: v["mbit"] for r, v in emu["regions"].items()} == {"us": 210.0, "eu": 50.0}
     assert emu["regions"]["eu"]["addresses"] == ["10.77.1.1"]
     assert set(emu["counters"]) == {"us", "eu"}
     ex = cli("exec", "2", "--name", name, "--", "sh", "-c", "echo $GLOO_SOCKET_IFNAME $MASTER_ADDR")
     assert ex.stdout.split() == ["eth0", "10.77.0.1"], ex.stderr
+    text = cli("status", "--name", name).stdout
+    assert "rate + delay (" in text and "80 ms RTT" in text, text
     down = cli("down", "--name", name)
     assert down.returncode == 0 and our_namespaces(name) == set()

@@ -10,37 +10,54 @@ namespace `ct-<name>-wan`:
     eth0 ── r1 ─┴ br0 ── up0 ═tbf═ dn0 ── core ── dn1 ═tbf═ up1 ── br1 ─┬─ r3 ── eth0
                  (us: unshaped)    (shaped at us rate)  (shaped at eu rate)   (eu: unshaped)
 
-A region is a bridge (`br<g>`); ranks of a region talk through it unshaped (12-18 Gbit/s
-here). Each region bridge joins the `core` bridge through one veth pair `up<g>`/`dn<g>` whose two
-ends both carry a `tbf` egress qdisc at that region's rate: `up<g>` shapes what leaves the region,
-`dn<g>` what enters it. So traffic between regions crosses two shaped links, the sender's uplink
-and the receiver's downlink, and gets min(rate of sender region, rate of receiver region): a
-sender in a 50 Mbit/s region is limited by its own uplink even if the peer has 1 Gbit/s. With
-three or more regions this models per-region WAN capacity (all flows into a region share its
-downlink), not per-pair links. Uplink and downlink may differ (`down_mbit`, `--down-mbit`): a
-region with a slow uplink and a fast downlink sends slowly but receives fast, so two regions can
-have different rates each way. Everything is one L2 subnet, so no routing, no forwarding sysctl
-and nothing in the root namespace: no interface, address or route of the host is touched.
+A region is a bridge (`br<g>`); ranks of a region talk through it unshaped. Each region bridge
+joins the `core` bridge through one link `up<g>`/`dn<g>` whose two ends both carry a `tbf`
+egress qdisc at that region's rate: `up<g>` shapes what leaves the region, `dn<g>` what enters
+it. So traffic between regions crosses two shaped links, the sender's uplink and the receiver's
+downlink, and gets min(rate of sender region, rate of receiver region). With three or more
+regions this models per-region WAN capacity (all flows into a region share its downlink), not
+per-pair links. Uplink and downlink may differ (`down_mbit`, `--down-mbit`). Everything is one L2
+subnet with a 9000-byte MTU (jumbo frames on every veth, bridge and TAP), so no routing, no
+forwarding sysctl and nothing in the root namespace: no interface, address or route of the host
+is touched.
 
-Delay. Latency needs the `netem` qdisc, which many kernels (this one included) lack. When a
-round-trip time is asked for, `up()` probes for netem inside the private namespace; if present,
-each uplink gets `netem delay RTT/2` as root qdisc with the tbf below it (so one way crosses one
-delay), and `emulation` says "rate and delay"; otherwise only rates are applied and `emulation`
-says "rate only" — always read it before quoting results as latency-emulated.
+Delay. A region link holds every frame for its one-way delay, both directions. Region g has an
+RTT share s_g (`rtt_ms`: one number for every region, or one per region); its link delays each
+frame s_g/4 each way, so a frame from region a to region b waits s_a/4 + s_b/4 and the round trip
+between a and b is (s_a + s_b) / 2 — with one number R, every pair of regions has RTT R. (Three
+regions with RTTs 80/180/230 ms for us-eu/us-asia/eu-asia are shares 30/130/330.) Ranks of one
+region see no added delay. How the delay is applied, in order of preference:
+
+- `netem` where the kernel has it: the link is a veth pair, each end `netem delay s_g/4` as root
+  qdisc with the tbf below it. `emulation` says "rate + delay (netem)".
+- otherwise a userspace delay line: the link is two TAP devices, `up<g>` on the region bridge and
+  `dn<g>` on the core bridge, and a relay process (`python -m cloudtrain.tools.netem relay`, one
+  per delayed link, started in the wan namespace) reads each frame from one TAP, holds it in a
+  queue ordered by due time and writes it to the other; tbf on the TAPs shapes the rate as on
+  veths. `emulation` says "rate + delay (userspace delay line)". Before the relays start, `up()`
+  measures what one relay can move (frames/s and Mbit/s at 9000-byte frames, CPU per frame; see
+  `relay_ceiling`), reports it in `relay_note`, and refuses a link whose up + down rate needs
+  more than RELAY_HEADROOM of that: the kernel's bridging and TCP receive work for a frame the
+  relay writes also runs on the relay's CPU, which the ceiling does not include.
+- neither (no netem, no /dev/net/tun): `emulation` says "rate only" and the note says the delay
+  is NOT emulated — always read it before quoting results as latency-emulated.
 
 tbf parameters (`tbf_params`): the rate is the Ethernet-frame rate (tbf counts the 14-byte L2
-header, so TCP goodput is about 95% of it: ~96 Mbit/s across a 100 Mbit/s link). The bucket
-holds max(64 KiB, 1 ms of traffic): veth hands tbf 64 KiB GSO super-packets, and a smaller bucket
-would make tbf split every one of them. The queue holds burst + max(20 ms, RTT) of traffic —
-about one bandwidth-delay product, as a WAN router buffer does — so one TCP flow keeps the link
-full instead of losing throughput to tail drops, while queueing delay stays bounded.
+header, so TCP goodput is about 99% of it at a 9000-byte MTU). The bucket holds max(64 KiB, 1 ms
+of traffic): veth hands tbf 64 KiB GSO super-packets, and a smaller bucket would make tbf split
+every one of them. The queue holds burst + max(20 ms, RTT) of traffic — about one
+bandwidth-delay product, as a WAN router buffer does — so one TCP flow keeps the link full
+instead of losing throughput to tail drops, while queueing delay stays bounded.
 
 Cleanup. Before creating anything, `up()` writes /run/cloudtrain-netem/<name>.json listing what it
-will create; every namespace also matches `ct-<name>-(wan|r<N>)`, so `teardown(name)` and
-`teardown(None)` (all emulators) find leftovers even when the state file is lost. Deleting the
-namespaces deletes every interface in them; processes still inside are killed first (they were
-started in our namespaces). The context manager, atexit and SIGTERM/SIGHUP clean up; after a
-SIGKILL run `cloudtrain netem down --name NAME` (or `--all`).
+will create (namespaces, later the relays' pids). Every namespace it creates is named
+`ct-<name>-(wan|r<N>)` and carries a marker (the alias `cloudtrain-netem:<name>` on its loopback),
+so `teardown(name)` and `teardown(None)` (every emulator) find leftovers even when the state file
+is lost, and never touch a namespace this module did not create, whatever its name. Relays are
+killed by pid from the state file and, as processes inside the wan namespace, with every other
+process started in our namespaces; deleting the namespaces deletes every interface in them. The
+context manager, atexit and SIGTERM/SIGHUP clean up; after a SIGKILL run
+`cloudtrain netem down --name NAME` (or `--all`).
 
 Processes. `popen(rank, argv)` runs argv under `ip netns exec` and sets GLOO_SOCKET_IFNAME,
 NCCL_SOCKET_IFNAME, TP_SOCKET_IFNAME and HOROVOD_GLOO_IFACE to eth0 (gloo otherwise resolves the
@@ -48,12 +65,13 @@ hostname, which names no address inside a namespace), MASTER_ADDR to rank 0's ad
 CLOUDTRAIN_REGION to the rank's region, unless `env` sets them. Loopback is up in every rank
 namespace, and every rank reaches every other rank's address.
 
-    with Emulator(regions={"us": 2, "eu": 2}, mbit={"us": 1000, "eu": 50}, name="demo") as wan:
+    with Emulator(regions={"us": 2, "eu": 2}, mbit=100, rtt_ms=80, name="demo") as wan:
         p = wan.popen(0, [sys.executable, "train.py"], env={"RANK": "0", "WORLD_SIZE": "4"})
         wan.set_rate("eu", 20)       # bandwidth drops mid-run
         wan.counters()               # {"us": {"tx_bytes": ..., "rx_bytes": ...}, "eu": {...}}
 
-    cloudtrain netem up --regions us:2,eu:2 --profile us-eu --name demo
+    cloudtrain netem up --regions us:2,eu:2 --profile us-eu --name demo   # 210 Mbit/s, 80 ms
+    cloudtrain netem up --regions us:2,eu:2 --mbit 100 --rtt-ms 80 --name demo
     cloudtrain netem exec 0 --name demo -- python -c 'print(1)'
     cloudtrain netem rate --region eu --mbit 50 --name demo
     cloudtrain netem status --name demo [--json]
@@ -64,13 +82,18 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections
 import contextlib
+import fcntl
 import json
 import math
 import os
 import re
+import select
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -81,20 +104,38 @@ from pathlib import Path
 from typing import Any
 
 PREFIX = "ct-"
-"""Every namespace this module creates starts with this; `teardown` relies on it."""
+"""Every namespace this module creates starts with this (and carries MARKER)."""
+MARKER = "cloudtrain-netem"
+"""Alias set on the loopback of every namespace we create, followed by ':<name>'."""
 STATE_DIR = Path("/run/cloudtrain-netem")
 DEFAULT_NAME = "local"
 SUBNET = "10.77.0.0/16"
 RANK_IFNAME = "eth0"
+MTU = 9000
+"""Jumbo frames inside the emulated network: the delay line handles 6x fewer frames than at 1500."""
+RELAY_HEADROOM = 0.5
+"""Share of the measured relay ceiling a link's up + down rate may use (see the docstring)."""
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
 _REGION_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
-_NS_RE = re.compile(r"ct-[a-z0-9][a-z0-9-]*-(?:wan|r\d+)")
+_NS_RE = re.compile(r"ct-([a-z0-9][a-z0-9-]*)-(?:wan|r\d+)")
 RATE_ONLY = "rate only"
-RATE_AND_DELAY = "rate and delay"
+DELAY_NETEM = "rate + delay (netem)"
+DELAY_LINE = "rate + delay (userspace delay line)"
 
 
 class EmulatorError(RuntimeError):
     """The emulator cannot be built, found or changed; the message says what to do."""
+
+
+def check_name(name: str) -> str:
+    """`name` if it is a valid emulator name, else ValueError: it names namespaces and the state
+    file, so it must be a plain name (no path separators, no '..')."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"bad emulator name {name!r}: use 1-32 characters of a-z, 0-9 and '-', starting with "
+            "a letter or digit (it names network namespaces and a file in /run/cloudtrain-netem)"
+        )
+    return name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,20 +149,30 @@ class LinkProfile:
     mbit: float = 100.0
     """Rate in Mbit/s."""
     rtt_ms: float = 0.0
-    """Round-trip time in ms; emulated only where the kernel has netem."""
+    """Round-trip time in ms between the two regions."""
 
     def __post_init__(self) -> None:
-        if not (self.mbit > 0 and math.isfinite(self.mbit)):
-            raise ValueError(f"rate must be a positive number of Mbit/s, got {self.mbit}")
-        if not (self.rtt_ms >= 0 and math.isfinite(self.rtt_ms)):
-            raise ValueError(f"rtt_ms must be >= 0, got {self.rtt_ms}")
+        _check_rate(self.mbit)
+        _check_rtt(self.rtt_ms)
+
+
+def _check_rate(mbit: float) -> None:
+    if isinstance(mbit, bool) or not (isinstance(mbit, (int, float)) and 0 < mbit < math.inf):
+        raise ValueError(f"rate must be a positive number of Mbit/s, got {mbit!r}")
+
+
+def _check_rtt(rtt_ms: float) -> None:
+    if isinstance(rtt_ms, bool) or not (isinstance(rtt_ms, (int, float)) and 0 <= rtt_ms <= 10_000):
+        raise ValueError(f"rtt_ms must be a number of milliseconds in 0..10000, got {rtt_ms!r}")
 
 
 PROFILES: dict[str, LinkProfile] = {
+    # Published inter-region figures: single-flow rate (window x RTT bound) and RTT.
     "intra-zone": LinkProfile(5000, 0.2),
-    "us-eu": LinkProfile(210, 103),
-    "us-asia": LinkProfile(135, 157),
-    "eu-asia": LinkProfile(76, 253),
+    "us-us": LinkProfile(250, 65),
+    "us-eu": LinkProfile(210, 80),
+    "us-asia": LinkProfile(135, 180),
+    "eu-asia": LinkProfile(76, 230),
     "eu-australia": LinkProfile(70, 272),
     "500mbit": LinkProfile(500, 0),
 }
@@ -154,7 +205,8 @@ def parse_regions(text: str) -> dict[str, int]:
 
 
 def parse_mbit(text: str, regions: Sequence[str]) -> dict[str, float]:
-    """`100` -> every region 100 Mbit/s; `us=1000,eu=50` -> per region (all must be given)."""
+    """`100` -> every region 100; `us=1000,eu=50` -> per region (all must be given). Also for
+    per-region RTT shares (`--rtt-ms us=30,eu=130`)."""
     if "=" not in text:
         return dict.fromkeys(regions, float(text))
     rates = {}
@@ -176,16 +228,15 @@ class WanSpec:
     """Ranks per region in rank order: {"us": 2, "eu": 2} puts ranks 0-1 in us, 2-3 in eu."""
     mbit: dict[str, float] = field(default_factory=lambda: {"a": 100.0, "b": 100.0})
     """Rate of each region's WAN uplink (and downlink, unless down_mbit says otherwise), Mbit/s."""
-    rtt_ms: float = 0.0
-    """Round-trip time between regions; applied only where the kernel has netem."""
+    rtt_ms: float | dict[str, float] = 0.0
+    """RTT between any two regions, or each region's RTT share (pair RTT = mean of the shares)."""
     name: str = DEFAULT_NAME
     """Names the namespaces (ct-<name>-wan, ct-<name>-r<rank>) and the state file."""
     down_mbit: dict[str, float] | None = None
     """Rate of each region's WAN downlink where it differs from the uplink (asymmetric links)."""
 
     def __post_init__(self) -> None:
-        if not _NAME_RE.fullmatch(self.name):
-            raise ValueError(f"bad name {self.name!r}: use 1-32 of a-z, 0-9, '-'")
+        check_name(self.name)
         if not self.regions or len(self.regions) > 250:
             raise ValueError("give between 1 and 250 regions, e.g. {'us': 2, 'eu': 2}")
         for region, n in self.regions.items():
@@ -203,14 +254,40 @@ class WanSpec:
                 f"downlink rates given for {sorted(self.down_mbit)} but regions are "
                 f"{sorted(self.regions)}: give one per region"
             )
+        if isinstance(self.rtt_ms, Mapping):
+            if set(self.rtt_ms) != set(self.regions):
+                raise ValueError(
+                    f"RTT shares given for {sorted(self.rtt_ms)} but regions are "
+                    f"{sorted(self.regions)}: give one RTT, or one share per region (us=30,eu=130)"
+                )
+            for share in self.rtt_ms.values():
+                _check_rtt(share)
+        else:
+            _check_rtt(self.rtt_ms)
         for region, rate in [*self.mbit.items(), *(self.down_mbit or {}).items()]:
-            LinkProfile(rate, self.rtt_ms)  # validates both, with its messages
+            _check_rate(rate)
             if rate > 100_000:
                 raise ValueError(f"region {region!r}: {rate} Mbit/s is beyond what tbf can shape")
 
     def down(self, region: str) -> float:
         """The region's downlink rate."""
         return (self.down_mbit or self.mbit)[region]
+
+    def share(self, region: str) -> float:
+        """Region's RTT share in ms (the RTT itself when one number is given for all)."""
+        return float(self.rtt_ms[region] if isinstance(self.rtt_ms, Mapping) else self.rtt_ms)
+
+    def link_delay_ms(self, region: str) -> float:
+        """One-way delay the region's link adds, each direction: a quarter of its share."""
+        return self.share(region) / 4
+
+    def pair_rtt_ms(self, a: str, b: str) -> float:
+        """Round-trip time between a rank of region a and one of region b."""
+        return 0.0 if a == b else (self.share(a) + self.share(b)) / 2
+
+    @property
+    def max_rtt_ms(self) -> float:
+        return max((self.share(r) for r in self.regions), default=0.0)
 
 
 def tbf_params(mbit: float, rtt_ms: float = 0.0) -> dict[str, int]:
@@ -251,18 +328,42 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
+def _marker_of(ns: str) -> str | None:
+    """The emulator name recorded in namespace ns's marker, or None (not one of ours)."""
+    out = _run(["ip", "-n", ns, "-j", "link", "show", "lo"], check=False)
+    with contextlib.suppress(ValueError, IndexError, KeyError, TypeError):
+        alias = json.loads(out)[0].get("ifalias", "")
+        tag, sep, name = alias.partition(":")
+        if tag == MARKER and sep:
+            return name
+    return None
+
+
 _AVAILABLE: tuple[bool, str] | None = None
+_HAS_TUN: bool | None = None
 
 
 def available() -> tuple[bool, str]:
-    """(True, "") when this process can build an emulator, else (False, why). Cached."""
+    """(True, "") when this process can build an emulator, else (False, what the machine lacks:
+    root, `ip`/`tc`, network namespaces with veth and bridges, the tbf qdisc). Cached.
+
+    Only a missing capability reads as unavailable: any other failure raises EmulatorError, so a
+    bug in the emulator never turns into "unavailable" (and into skipped tests)."""
     global _AVAILABLE
     if _AVAILABLE is None:
         _AVAILABLE = _probe_available()
     return _AVAILABLE
 
 
+def delay_line_available() -> bool:
+    """Whether TAP devices can be made here (/dev/net/tun): the userspace delay line needs them."""
+    if _HAS_TUN is None:
+        available()
+    return bool(_HAS_TUN)
+
+
 def _probe_available() -> tuple[bool, str]:
+    global _HAS_TUN
     if not sys.platform.startswith("linux"):
         return False, "the WAN emulator needs Linux network namespaces"
     if os.geteuid() != 0:
@@ -270,16 +371,23 @@ def _probe_available() -> tuple[bool, str]:
     for tool in ("ip", "tc"):
         if not shutil.which(tool):
             return False, f"`{tool}` not found: install iproute2"
-    probe = f"{PREFIX}probe-{os.getpid()}-wan"
+    probe = f"{PREFIX}probe-{os.getpid()}-{threading.get_ident() % 10000}"
+    steps = [
+        ("network namespaces", ["ip", "netns", "add", probe]),
+        ("veth pairs", ["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"]),
+        ("bridges", ["ip", "-n", probe, "link", "add", "b0", "type", "bridge"]),
+        ("the tbf qdisc", ["tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf",
+                           "rate", "1mbit", "burst", "16kb", "limit", "32kb"]),
+    ]  # fmt: skip
     try:
-        _run(["ip", "netns", "add", probe])
-        _run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
-        _batch("tc", probe, ["qdisc add dev p0 root tbf rate 1mbit burst 16kb limit 32kb"])
-        _run(["ip", "-n", probe, "link", "add", "b0", "type", "bridge"])
-    except (EmulatorError, OSError, subprocess.SubprocessError) as e:
-        return False, f"network namespaces with veth, bridge and tbf are unusable here: {e}"
+        for what, argv in steps:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            if proc.returncode != 0:
+                return False, f"this kernel offers no {what} to root: {proc.stderr.strip()}"
+        tap = ["ip", "-n", probe, "tuntap", "add", "dev", "t0", "mode", "tap"]
+        _HAS_TUN = subprocess.run(tap, capture_output=True, timeout=60).returncode == 0
     finally:
-        _run(["ip", "netns", "del", probe], check=False)
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=60)
     return True, ""
 
 
@@ -294,24 +402,202 @@ def _has_netem(ns: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# The userspace delay line
+
+
+_TUNSETIFF = 0x400454CA
+_IFF_TAP = 0x0002
+_IFF_NO_PI = 0x1000
+_MAX_HELD = 256 << 20
+"""Bytes one direction of a relay may hold; tbf in front keeps it far below (rate x delay)."""
+
+
+def _open_tap(ifname: str) -> int:
+    """A file descriptor attached to the existing TAP device `ifname` (in this namespace)."""
+    fd = os.open("/dev/net/tun", os.O_RDWR)
+    try:
+        fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH22x", ifname.encode(), _IFF_TAP | _IFF_NO_PI))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class DelayLine:
+    """Moves frames from each path's source fd to its sink fd, each held `delay_s` after it was
+    read. The delay is the same for every frame of a path, so a FIFO per path is already ordered
+    by due time. Frames beyond _MAX_HELD bytes per path are dropped, as a full router queue does."""
+
+    def __init__(self, paths: Sequence[tuple[int, int]], delay_s: float) -> None:
+        self.paths = list(paths)
+        self.delay_s = delay_s
+        self.moved = 0
+        self._queues: list[collections.deque[tuple[float, bytes]]] = [
+            collections.deque() for _ in self.paths
+        ]
+        self._held = [0] * len(self.paths)
+        self._poll = select.epoll()
+        self._index = {}
+        for k, (src, _) in enumerate(self.paths):
+            os.set_blocking(src, False)
+            self._poll.register(src, select.EPOLLIN)
+            self._index[src] = k
+
+    def run(self, until: float = math.inf) -> None:
+        """Relay until time.monotonic() reaches `until` (forever by default). Returns early when
+        a source fd reports an error or end of file (its device was deleted)."""
+        while True:
+            now = time.monotonic()
+            due = until
+            for k, queue in enumerate(self._queues):
+                sink = self.paths[k][1]
+                while queue and queue[0][0] <= now:
+                    frame = queue.popleft()[1]
+                    self._held[k] -= len(frame)
+                    with contextlib.suppress(BlockingIOError):  # a full sink drops, as a NIC does
+                        os.write(sink, frame)
+                    self.moved += 1
+                if queue:
+                    due = min(due, queue[0][0])
+            if now >= until:
+                return
+            # epoll waits whole milliseconds (rounded up): wait the part below one in sleep,
+            # whose timer is finer, so short delays are not stretched by up to 1 ms per hop.
+            wait = -1.0 if due == math.inf else math.floor(max(0.0, due - now) * 1000) / 1000
+            events = self._poll.poll(wait)
+            if not events and due != math.inf and (rest := due - time.monotonic()) > 0:
+                time.sleep(rest)
+            now = time.monotonic()
+            for fd, _ in events:
+                k = self._index[fd]
+                for _ in range(64):  # then write what is due, even under a flood
+                    try:
+                        frame = os.read(fd, 65536)
+                    except BlockingIOError:
+                        break
+                    except OSError:
+                        return
+                    if not frame:
+                        return
+                    if self._held[k] + len(frame) <= _MAX_HELD:
+                        self._queues[k].append((now + self.delay_s, frame))
+                        self._held[k] += len(frame)
+
+
+def relay_ceiling(delay_ms: float, seconds: float = 0.3) -> dict[str, float]:
+    """What one relay process moves at most on this machine, measured now with `delay_ms`:
+    frames/s and Mbit/s of MTU-sized frames, and its CPU per frame. Runs the relay's own loop
+    (DelayLine) in a fresh process between two socket pairs fed as fast as they take frames;
+    frames per CPU-second of the relay is the ceiling (one core fully used)."""
+    cmd = [sys.executable, "-m", "cloudtrain.tools.netem", "relay-ceiling",
+           "--delay-ms", f"{delay_ms}", "--seconds", f"{seconds}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        raise EmulatorError(f"measuring the delay line's ceiling failed: {proc.stderr.strip()}")
+    return json.loads(proc.stdout)
+
+
+def _measure_ceiling(delay_ms: float, seconds: float) -> dict[str, float]:
+    """The measurement behind relay_ceiling; runs in its own process (it forks)."""
+    frame_bytes = MTU + 14
+    feed_w, feed_r = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sink_w, sink_r = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    children = []
+    for role in ("feed", "sink"):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            with contextlib.suppress(OSError):
+                if role == "feed":
+                    frame = bytes(frame_bytes)
+                    while True:
+                        feed_w.send(frame)
+                else:
+                    while sink_r.recv(65536):
+                        pass
+            os._exit(0)
+        children.append(pid)
+    line = DelayLine([(feed_r.fileno(), sink_w.fileno())], delay_ms / 1000)
+    line.run(time.monotonic() + delay_ms / 1000 + 0.05)  # the queue fills, frames start leaving
+    moved, cpu, wall = line.moved, time.process_time(), time.monotonic()
+    line.run(wall + seconds)
+    moved, cpu, wall = line.moved - moved, time.process_time() - cpu, time.monotonic() - wall
+    for s in (feed_w, feed_r, sink_w, sink_r):
+        s.close()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    fps = moved / max(cpu, 1e-6)
+    return {
+        "frames_per_s": fps,
+        "mbit": fps * frame_bytes * 8 / 1e6,
+        "us_cpu_per_frame": 1e6 / fps,
+        "measured_frames_per_s": moved / wall,
+        "cpu_share": cpu / wall,
+        "frame_bytes": frame_bytes,
+        "delay_ms": delay_ms,
+    }
+
+
+def _relay_main(name: str, link: int, delay_ms: float) -> int:
+    """A relay process: joins TAPs up<link> and dn<link> (run inside the emulator's wan
+    namespace), says "ready", relays until killed or its devices go."""
+    up, dn = _open_tap(f"up{link}"), _open_tap(f"dn{link}")
+    line = DelayLine([(up, dn), (dn, up)], delay_ms / 1000)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owner tears down; a terminal's ^C must not
+    print("ready", flush=True)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # the owner may exit and close the pipe: nothing more goes there
+    line.run()
+    print(f"relay {name}/{link}: a device went away, exiting", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # Tear down (also without state)
 
 
 def _state_path(name: str) -> Path:
-    return STATE_DIR / f"{name}.json"
+    return STATE_DIR / f"{check_name(name)}.json"
+
+
+def _state_names() -> list[str]:
+    return sorted(p.stem for p in STATE_DIR.glob("*.json") if _NAME_RE.fullmatch(p.stem))
+
+
+def _read_state(name: str) -> dict[str, Any]:
+    with contextlib.suppress(OSError, ValueError):
+        state = json.loads(_state_path(name).read_text())
+        if isinstance(state, dict):
+            return state
+    return {}
 
 
 def leftovers(name: str | None = None) -> list[str]:
-    """Namespaces of emulator `name` (every emulator when None) that exist now."""
-    pattern = _NS_RE if name is None else re.compile(rf"{PREFIX}{re.escape(name)}-(wan|r\d+)")
-    return [ns for ns in _namespaces() if pattern.fullmatch(ns)]
+    """Namespaces of emulator `name` (every emulator when None) that exist now: named like ours
+    and carrying our marker, so a namespace someone else made is never listed."""
+    if name is not None:
+        check_name(name)
+    found = []
+    for ns in _namespaces():
+        m = _NS_RE.fullmatch(ns)
+        if m and (name is None or m[1] == name) and _marker_of(ns) == m[1]:
+            found.append(ns)
+    return found
 
 
-def _kill_inside(namespaces: Sequence[str]) -> None:
-    pids = set()
-    for ns in namespaces:
-        out = _run(["ip", "netns", "pids", ns], check=False)
-        pids.update(int(p) for p in out.split() if p.isdigit())
+def _relay_pids(state: Mapping[str, Any]) -> list[int]:
+    """The state's relay pids that still run a relay of that emulator (a pid may be reused)."""
+    pids = []
+    for pid in (state.get("relays") or {}).values():
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            argv = Path(f"/proc/{int(pid)}/cmdline").read_bytes().split(b"\0")
+            if b"relay" in argv and f"--name={state.get('name')}".encode() in argv:
+                pids.append(int(pid))
+    return pids
+
+
+def _kill(pids: set[int]) -> None:
     pids.discard(os.getpid())
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = set()
@@ -336,25 +622,33 @@ def _zombie(pid: int) -> bool:
 
 
 def teardown(name: str | None = None) -> list[str]:
-    """Remove emulator `name` (every emulator when None): its processes, namespaces, state file.
+    """Remove emulator `name` (every emulator when None): its relays and other processes, its
+    namespaces, its state file.
 
-    Works from the state file and from the namespace names, so it also cleans up after a
-    crash. Returns what was removed; removing nothing is not an error."""
-    names = [name] if name is not None else sorted(p.stem for p in STATE_DIR.glob("*.json"))
+    Works from the state file and from the namespaces' names and markers, so it also cleans up
+    after a crash; a namespace without our marker is never touched. Returns what was removed;
+    removing nothing is not an error."""
+    names = [check_name(name)] if name is not None else _state_names()
     namespaces = set(leftovers(name))
-    existing = set(_namespaces())
+    pids: set[int] = set()
     for n in names:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            state = json.loads(_state_path(n).read_text())
-            namespaces.update(ns for ns in state["namespaces"] if ns in existing)
+        state = _read_state(n)
+        pids.update(_relay_pids(state))
+        recorded = set(state.get("namespaces") or []) & set(_namespaces())
+        namespaces.update(ns for ns in recorded if _marker_of(ns) == n)
     ordered = sorted(namespaces, key=lambda ns: ns.endswith("-wan"))  # ranks first, wan last
-    _kill_inside(ordered)
+    for ns in ordered:
+        out = _run(["ip", "netns", "pids", ns], check=False)
+        pids.update(int(p) for p in out.split() if p.isdigit())
+    # Relays first: a process inside a namespace keeps it alive after `ip netns del`.
+    _kill(pids)
     removed = []
     for ns in ordered:
         _run(["ip", "netns", "del", ns], check=False)
         removed.append(ns)
     for n in names:
-        for path in [_state_path(n), *STATE_DIR.glob(f"{n}.tmp*")]:
+        extra = [*STATE_DIR.glob(f"{n}.tmp*"), *STATE_DIR.glob(f"{n}.relay-*.log")]
+        for path in [_state_path(n), *extra]:
             if path.exists():
                 path.unlink(missing_ok=True)
                 removed.append(str(path))
@@ -372,7 +666,7 @@ class Emulator:
         self,
         regions: Mapping[str, int],
         mbit: float | Mapping[str, float],
-        rtt_ms: float = 0.0,
+        rtt_ms: float | Mapping[str, float] = 0.0,
         name: str = DEFAULT_NAME,
         down_mbit: float | Mapping[str, float] | None = None,
     ) -> None:
@@ -381,10 +675,16 @@ class Emulator:
             return {r: float(v) for r, v in rates.items()}
 
         down = None if down_mbit is None else per_region(down_mbit)
-        self.spec = WanSpec(dict(regions), per_region(mbit), rtt_ms, name, down)
+        rtt = float(rtt_ms) if isinstance(rtt_ms, (int, float)) else per_region(rtt_ms)
+        self.spec = WanSpec(dict(regions), per_region(mbit), rtt, name, down)
         self.emulation: str | None = None
-        """"rate only" or "rate and delay" once up; see `emulation_note` for why."""
+        """RATE_ONLY, DELAY_NETEM or DELAY_LINE once up; see `emulation_note` for details."""
         self.emulation_note = ""
+        self.relay: dict[str, float] | None = None
+        """The delay line's measured ceiling (relay_ceiling), when it is in use."""
+        self.relays: dict[str, int] = {}
+        """Pid of the relay process of each delayed region link."""
+        self._relay_procs: list[subprocess.Popen] = []
         self._rank_region = [(r, i) for r, n in self.spec.regions.items() for i in range(n)]
         self._owned = False
         self._old_handlers: dict[int, object] = {}
@@ -424,6 +724,11 @@ class Emulator:
     @property
     def mbit(self) -> dict[str, float]:
         return dict(self.spec.mbit)
+
+    def rtt_ms(self, a: int, b: int) -> float:
+        """The emulated round-trip time between ranks a and b (0 within a region), when the
+        emulation includes delay; the RTT asked for otherwise (see `emulation`)."""
+        return self.spec.pair_rtt_ms(self.region(a), self.region(b))
 
     def _region_index(self, region: str) -> int:
         if region not in self.spec.regions:
@@ -468,6 +773,10 @@ class Emulator:
     def down(self) -> None:
         """Remove everything up() made (idempotent)."""
         teardown(self.name)
+        for proc in self._relay_procs:  # killed by teardown; reap them so none lingers as a zombie
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        self._relay_procs.clear()
         if self._owned:
             self._owned = False
             atexit.unregister(self.down)
@@ -496,6 +805,7 @@ class Emulator:
             state.get("down_mbit"),
         )
         wan.emulation, wan.emulation_note = state.get("emulation"), state.get("note", "")
+        wan.relay, wan.relays = state.get("relay"), state.get("relays") or {}
         return wan
 
     def _install_signal_handlers(self) -> None:
@@ -518,7 +828,7 @@ class Emulator:
 
     def _write_state(self) -> None:
         state = {
-            "version": 1,
+            "version": 2,
             "name": self.name,
             "regions": list(self.spec.regions.items()),
             "mbit": self.spec.mbit,
@@ -526,6 +836,8 @@ class Emulator:
             "rtt_ms": self.spec.rtt_ms,
             "emulation": self.emulation,
             "note": self.emulation_note,
+            "relay": self.relay,
+            "relays": self.relays,
             "namespaces": [self.wan_namespace, *map(self.namespace, range(self.world_size))],
             "addresses": [self.address(k) for k in range(self.world_size)],
             "pid": os.getpid(),
@@ -535,6 +847,52 @@ class Emulator:
         tmp.write_text(json.dumps(state, indent=1))
         tmp.replace(_state_path(self.name))
 
+    def _delayed(self) -> list[str]:
+        return [r for r in self.spec.regions if self.spec.link_delay_ms(r) > 0]
+
+    def _choose_emulation(self) -> None:
+        rtt = self._rtt_text()
+        if not self._delayed():
+            self.emulation, self.emulation_note = RATE_ONLY, "no delay asked for"
+        elif _has_netem(self.wan_namespace):
+            self.emulation, self.emulation_note = DELAY_NETEM, f"{rtt} via netem"
+        elif delay_line_available():
+            self.relay = relay_ceiling(max(map(self.spec.link_delay_ms, self._delayed())))
+            for region in self._delayed():
+                self._check_relay_capacity(region, self.spec.mbit[region], self.spec.down(region))
+            r = self.relay
+            self.emulation = DELAY_LINE
+            self.emulation_note = (
+                f"{rtt}; relay ceiling {r['mbit']:.0f} Mbit/s ({r['frames_per_s']:.0f} frames/s "
+                f"of {r['frame_bytes']:.0f} B, {r['us_cpu_per_frame']:.1f} us CPU per frame, "
+                f"measured at {r['delay_ms']:g} ms delay)"
+            )
+        else:
+            self.emulation = RATE_ONLY
+            self.emulation_note = (
+                f"kernel has no netem qdisc and no /dev/net/tun: {rtt} is NOT emulated"
+            )
+
+    def _rtt_text(self) -> str:
+        shares = {self.spec.share(r) for r in self.spec.regions}
+        if len(shares) == 1:
+            return f"{shares.pop():g} ms RTT between regions"
+        regions = list(self.spec.regions)
+        pairs = [(a, b) for i, a in enumerate(regions) for b in regions[i + 1 :]]
+        return "RTT " + ", ".join(f"{a}-{b} {self.spec.pair_rtt_ms(a, b):g} ms" for a, b in pairs)
+
+    def _check_relay_capacity(self, region: str, up: float, down: float) -> None:
+        if self.relay is None or self.spec.link_delay_ms(region) <= 0:
+            return
+        limit = RELAY_HEADROOM * self.relay["mbit"]
+        if up + down > limit:
+            raise EmulatorError(
+                f"region {region!r}: {up:g} Mbit/s up + {down:g} down through its delay relay is "
+                f"more than {limit:.0f} Mbit/s ({RELAY_HEADROOM:.0%} of the "
+                f"{self.relay['mbit']:.0f} Mbit/s one relay moves on this machine, measured "
+                "now): lower the rate, or ask for no delay on that region's link"
+            )
+
     def _build(self) -> None:
         wan = self.wan_namespace
         no_ipv6 = {  # no router solicitations / DAD chatter crossing the shaped links
@@ -543,65 +901,94 @@ class Emulator:
         }
         for ns in [wan, *map(self.namespace, range(self.world_size))]:
             _run(["ip", "netns", "add", ns])
+            _batch("ip", ns, [f"link set lo alias {MARKER}:{self.name}", "link set lo up"])
             _sysctl(ns, no_ipv6)
-        delay = self.spec.rtt_ms > 0 and _has_netem(wan)
-        if self.spec.rtt_ms <= 0:
-            self.emulation, self.emulation_note = RATE_ONLY, "no delay asked for"
-        elif delay:
-            self.emulation = RATE_AND_DELAY
-            self.emulation_note = f"{self.spec.rtt_ms:g} ms RTT via netem"
-        else:
-            self.emulation = RATE_ONLY
-            self.emulation_note = (
-                f"kernel has no netem qdisc: {self.spec.rtt_ms:g} ms RTT is NOT emulated"
-            )
+        self._choose_emulation()
+        line = self.emulation == DELAY_LINE
 
-        bridge = "type bridge stp_state 0 forward_delay 0"
-        ip = ["link set lo up", f"link add core {bridge}", "link set core up"]
+        bridge = f"mtu {MTU} type bridge stp_state 0 forward_delay 0"
+        ip = [f"link add core {bridge}", "link set core up"]
         tc = []
         for g, region in enumerate(self.spec.regions):
+            if line and self.spec.link_delay_ms(region) > 0:
+                link = [f"tuntap add dev up{g} mode tap", f"tuntap add dev dn{g} mode tap"]
+                link += [f"link set up{g} mtu {MTU}", f"link set dn{g} mtu {MTU}"]
+            else:
+                link = [f"link add up{g} mtu {MTU} type veth peer name dn{g} mtu {MTU}"]
             ip += [
                 f"link add br{g} {bridge}",
-                f"link add up{g} type veth peer name dn{g}",
+                *link,
                 f"link set up{g} master br{g}",
                 f"link set dn{g} master core",
                 f"link set br{g} up",
                 f"link set up{g} up",
                 f"link set dn{g} up",
             ]
-            tc += self._qdisc_lines(g, self.spec.mbit[region], self.spec.down(region), delay)
+            tc += self._qdisc_lines(g, self.spec.mbit[region], self.spec.down(region))
         for rank in range(self.world_size):
             g = self._region_index(self.region(rank))
             ip += [
-                f"link add r{rank} type veth peer name {RANK_IFNAME} netns {self.namespace(rank)}",
+                f"link add r{rank} mtu {MTU} type veth peer name {RANK_IFNAME} mtu {MTU} "
+                f"netns {self.namespace(rank)}",
                 f"link set r{rank} master br{g}",
                 f"link set r{rank} up",
             ]
         _batch("ip", wan, ip)
+        if line:
+            self._start_relays()
         _batch("tc", wan, tc)
         for rank in range(self.world_size):
             _batch(
                 "ip",
                 self.namespace(rank),
                 [
-                    "link set lo up",
                     f"addr add {self.address(rank)}/16 dev {RANK_IFNAME}",
                     f"link set {RANK_IFNAME} up",
                 ],
             )
 
-    def _qdisc_lines(self, g: int, up: float, down: float, delay: bool) -> list[str]:
+    def _start_relays(self) -> None:
+        for g, region in enumerate(self.spec.regions):
+            delay = self.spec.link_delay_ms(region)
+            if delay <= 0:
+                continue
+            log = STATE_DIR / f"{self.name}.relay-{g}.log"
+            argv = [sys.executable, "-m", "cloudtrain.tools.netem", "relay", f"--name={self.name}",
+                    f"--link={g}", f"--delay-ms={delay}"]  # fmt: skip
+            with log.open("w") as err:
+                proc = subprocess.Popen(
+                    ["ip", "netns", "exec", self.wan_namespace, *argv],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                    start_new_session=True,  # its owner stops it; a terminal's signals must not
+                )
+            self._relay_procs.append(proc)
+            self.relays[region] = proc.pid  # `ip netns exec` execs the relay: same pid
+            self._write_state()
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() != "ready":
+                proc.wait(timeout=10)
+                raise EmulatorError(
+                    f"the delay relay of region {region!r} did not start: {log.read_text()[-2000:]}"
+                )
+            proc.stdout.close()
+
+    def _qdisc_lines(self, g: int, up: float, down: float) -> list[str]:
         """tc lines adding the qdiscs that shape region g: egress of up<g> is the region's uplink
         (towards the core), egress of dn<g> its downlink."""
+        region = list(self.spec.regions)[g]
+        one_way = self.spec.link_delay_ms(region)
+        netem = self.emulation == DELAY_NETEM and one_way > 0
         lines = []
         for dev, mbit in ((f"up{g}", up), (f"dn{g}", down)):
-            p = tbf_params(mbit, self.spec.rtt_ms if delay else 0.0)
+            p = tbf_params(mbit, self.spec.max_rtt_ms if self.emulation != RATE_ONLY else 0.0)
             tbf = f"tbf rate {p['rate']}bit burst {p['burst']} limit {p['limit']}"
-            if delay and dev.startswith("up"):
+            if netem:
                 # netem first (root) and the shaper below it: the netem-wiki recipe. Its packet
                 # limit must not drop before tbf does: room for twice the frames of one delay
                 # plus a full tbf queue at this rate.
-                one_way = self.spec.rtt_ms / 2
                 pkts = max(1000, int(2 * (p["rate"] / 8 * one_way / 1000 + p["limit"]) / 1500))
                 lines.append(
                     f"qdisc add dev {dev} root handle 1: netem delay {one_way}ms limit {pkts}"
@@ -623,13 +1010,14 @@ class Emulator:
         if self.spec.down_mbit is not None or down != float(mbit):
             downs = {r: self.spec.down(r) for r in self.spec.regions} | {region: down}
         spec = WanSpec(dict(self.spec.regions), rates, self.spec.rtt_ms, self.name, downs)
-        delay = self.emulation == RATE_AND_DELAY
+        if self.emulation == DELAY_LINE:
+            self._check_relay_capacity(region, float(mbit), down)
         # Delete and add, in one batch, rather than `tc qdisc change`: on this kernel a tbf
         # changed under a full queue was seen to stop dequeuing for good (packets sat in its
         # backlog, TCP backed off to a 60 s stall). A fresh qdisc drops what was queued, and TCP
         # retransmits it within one RTO.
         reset = [f"qdisc del dev {dev}{g} root" for dev in ("up", "dn")]
-        lines = reset + self._qdisc_lines(g, float(mbit), down, delay)
+        lines = reset + self._qdisc_lines(g, float(mbit), down)
         _batch("tc", self.wan_namespace, lines)
         self.spec = spec
         self._write_state()
@@ -715,10 +1103,13 @@ class Emulator:
         for region in self.spec.regions:
             ranks = self.ranks(region)
             c = counters.get(region, {})
+            delay = self.spec.link_delay_ms(region)
             lines.append(
-                f"  {region:<10} {self._rates(region):>13} Mbit/s  ranks {ranks[0]}-{ranks[-1]}"
+                f"  {region:<10} {self._rates(region):>13} Mbit/s  {delay:g} ms each way"
+                f"  ranks {ranks[0]}-{ranks[-1]}"
                 f"  {self.address(ranks[0])}..{self.address(ranks[-1])}"
                 f"  WAN tx {c.get('tx_bytes', 0):,} B  rx {c.get('rx_bytes', 0):,} B"
+                + (f"  relay pid {self.relays[region]}" if region in self.relays else "")
             )
         return "\n".join(lines)
 
@@ -768,7 +1159,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--profile", help=f"link profile: {', '.join(PROFILES)}, or <N>mbit")
     how.add_argument("--mbit", help="rate for all regions (100) or per region (us=1000,eu=50)")
-    p.add_argument("--rtt-ms", type=float, help="round-trip time (needs kernel netem)")
+    p.add_argument(
+        "--rtt-ms",
+        help="RTT between regions, ms (overrides the profile's), or a share per region: "
+        "us=30,eu=130 (pair RTT = mean of the two shares)",
+    )
     p.add_argument("--down-mbit", help="downlink rates where they differ: us=1000,eu=1000")
 
     p = add("rate", "change one region's WAN rate live")
@@ -783,7 +1178,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("down", help="remove an emulator, also after a crash")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--name", default=DEFAULT_NAME, help="emulator name (default: %(default)s)")
-    which.add_argument("--all", action="store_true", help="every emulator (ct-*-wan, ct-*-r<N>)")
+    which.add_argument(
+        "--all", action="store_true", help="every emulator this tool made (never other namespaces)"
+    )
 
     p = add("exec", "run a command inside a rank's namespace")
     p.add_argument("rank", type=int)
@@ -796,6 +1193,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # a bad name is refused before anything else is looked at
+        if getattr(args, "name", None) is not None:
+            check_name(args.name)
+    except ValueError as e:
+        print(f"cloudtrain netem: {e}", file=sys.stderr)
+        return 2
     ok, why = available()
     if not ok:
         print(f"cloudtrain netem: {why}", file=sys.stderr)
@@ -814,11 +1217,14 @@ def _run_command(args: argparse.Namespace) -> int:
         if args.profile:
             profile = link_profile(args.profile)
             mbit: dict[str, float] = dict.fromkeys(regions, profile.mbit)
-            rtt = profile.rtt_ms
+            rtt: float | dict[str, float] = profile.rtt_ms
         else:
             mbit, rtt = parse_mbit(args.mbit, list(regions)), 0.0
-        rtt = args.rtt_ms if args.rtt_ms is not None else rtt
+        if args.rtt_ms is not None:
+            rtt = parse_mbit(args.rtt_ms, list(regions))
+            rtt = rtt if "=" in args.rtt_ms else next(iter(rtt.values()))
         down = parse_mbit(args.down_mbit, list(regions)) if args.down_mbit else None
+        check_name(args.name)
         wan = Emulator(regions, mbit, rtt, args.name, down).up(persist=True)
         print(wan.describe())
         return 0
@@ -844,7 +1250,7 @@ def _run_command(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    names = [args.name] if args.name else sorted(p.stem for p in STATE_DIR.glob("*.json"))
+    names = [args.name] if args.name else _state_names()
     report = []
     for name in names:
         wan = Emulator.attach(name)
@@ -854,12 +1260,15 @@ def _status(args: argparse.Namespace) -> int:
                 "emulation": wan.emulation,
                 "note": wan.emulation_note,
                 "rtt_ms": wan.spec.rtt_ms,
+                "relay": wan.relay,
+                "relays": wan.relays,
                 "regions": {
                     r: {
                         "ranks": wan.ranks(r),
                         "addresses": [wan.address(k) for k in wan.ranks(r)],
                         "mbit": wan.spec.mbit[r],
                         "down_mbit": wan.spec.down(r),
+                        "delay_ms_each_way": wan.spec.link_delay_ms(r),
                     }
                     for r in wan.spec.regions
                 },
@@ -894,3 +1303,26 @@ def _exec_split(cmd: list[str], name: str) -> tuple[str, list[str]]:
     if not tail:
         raise ValueError("give a command: cloudtrain netem exec RANK [--name NAME] -- CMD ...")
     return opts.parse_args(head).name, tail
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cloudtrain.tools.netem relay|relay-ceiling ...`: the delay line's processes
+    (started by the emulator, not by hand)."""
+    parser = argparse.ArgumentParser(prog="python -m cloudtrain.tools.netem")
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("relay", help="relay frames between TAPs up<LINK> and dn<LINK>")
+    p.add_argument("--name", required=True)
+    p.add_argument("--link", type=int, required=True)
+    p.add_argument("--delay-ms", type=float, required=True)
+    p = sub.add_parser("relay-ceiling", help="measure what one relay moves (JSON)")
+    p.add_argument("--delay-ms", type=float, required=True)
+    p.add_argument("--seconds", type=float, default=0.3)
+    args = parser.parse_args(argv)
+    if args.what == "relay":
+        return _relay_main(check_name(args.name), args.link, args.delay_ms)
+    print(json.dumps(_measure_ceiling(args.delay_ms, args.seconds)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
