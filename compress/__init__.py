@@ -2,7 +2,7 @@
 
 Pure tensor math, no torch.distributed. Start with `make_codec` / `parse_spec` (codecs.py), wrap
 with `ErrorFeedback` (feedback.py), and move packets with `to_wire` / `from_wire` (packet.py).
-`reference.py` is the pure-PyTorch oracle of every hot operation; `bench.py` measures them:
+`register_codec` adds a codec of your own. `reference.py` is the pure-PyTorch oracle of every hot operation; `bench.py` measures them:
 
     python -m cloudtrain.compress.bench --json
 """
@@ -10,29 +10,40 @@ with `ErrorFeedback` (feedback.py), and move packets with `to_wire` / `from_wire
 from .codecs import (
     Codec,
     CodecKind,
-    Dense,
     Sparse,
+    Sparsifier,
     all_finite,
     check_finite,
     density_k,
     flat_float,
     make_codec,
     parse_spec,
+    register_codec,
+    registered_codecs,
 )
 from .feedback import ErrorFeedback
-from .packet import HEADER_NBYTES, Packet, PacketError, from_wire, read_header, to_wire
+from .packet import (
+    HEADER_NBYTES,
+    Expected,
+    Packet,
+    PacketError,
+    from_wire,
+    read_header,
+    to_wire,
+)
 from .rng import RandomKey
 
 __all__ = [
     "HEADER_NBYTES",
     "Codec",
     "CodecKind",
-    "Dense",
     "ErrorFeedback",
+    "Expected",
     "Packet",
     "PacketError",
     "RandomKey",
     "Sparse",
+    "Sparsifier",
     "all_finite",
     "check_finite",
     "density_k",
@@ -41,5 +52,7 @@ __all__ = [
     "make_codec",
     "parse_spec",
     "read_header",
+    "register_codec",
+    "registered_codecs",
     "to_wire",
 ]

@@ -9,12 +9,17 @@ from. `to_wire` turns it into one uint8 tensor, `from_wire` back; the format is
 
 The header carries a format version, the codec id, its levels, numel, dtype, the RandomKey, the
 size of every part, the payload size, and a CRC32 of header and payload. `from_wire` checks every
-one of these against the codec it is told to expect and raises `PacketError` on any mismatch,
-so a corrupt, truncated, foreign or wrong-version packet is never summed into a gradient.
+one of these against the codec it is told to expect - and, given `expect=Expected(numel, level,
+key, zstd)`, against what the receiver's plan says this packet must be - before it allocates or
+decompresses anything, and raises `PacketError` on any mismatch: a corrupt, truncated, foreign,
+out-of-step or wrong-version packet is never summed into a gradient, and a hostile one cannot
+make the receiver allocate more than the packet it expects.
 
 Without zstd the wire size is fixed by (codec, numel, level, dtype): `wire_nbytes` gives it before
 encoding, which is what fixed-size collectives and the controller plan with. The zstd stage
-(zstandard) is kept only where it makes the bytes smaller, so its size is known after encoding.
+(zstandard) is kept only where it makes the bytes smaller, so its size is known after encoding;
+`zstd_gain` measures what it saves and costs for a codec on a sample, so a caller can decide
+per link whether it pays.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -57,6 +62,11 @@ _HEADER = struct.Struct(
 )
 HEADER_NBYTES = _HEADER.size
 _FLAG_ZSTD = 1
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# A zstd block decodes to at most 128 KiB and takes at least 4 bytes (an RLE block: 3 bytes of
+# header, 1 of content), so no frame of c bytes holds more than 32768 * c: a larger declared size
+# is a lie, refused before anything is allocated for it.
+_ZSTD_MAX_RATIO = 32768
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
@@ -84,6 +94,29 @@ class Packet:
     def nbytes(self) -> int:
         """Payload bytes (parts padded to 8), excluding the header."""
         return sum(_padded(p.numel() * p.element_size()) for p in self.parts)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the receiver's plan says a packet must be: from_wire checks these before it
+    allocates or decompresses anything."""
+
+    numel: int
+    """Elements of the input the packet encodes (the receiver's shard size)."""
+    level: Any
+    """The sender's level in the plan (compared with `codec.check_level(level)`)."""
+    key: RandomKey
+    """(seed, step, bucket, sending rank) the packet must carry: another one is out of step."""
+    zstd: bool = False
+    """Whether the plan lets the sender zstd-compress the payload; if not, zstd is refused."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.numel, int) or isinstance(self.numel, bool) or self.numel < 0:
+            raise ValueError(f"Expected.numel={self.numel!r} must be a non-negative int")
+        if not isinstance(self.key, RandomKey):
+            raise TypeError(f"Expected.key: expected a RandomKey, got {type(self.key).__name__}")
+        if not isinstance(self.zstd, bool):
+            raise TypeError(f"Expected.zstd={self.zstd!r} must be True or False")
 
 
 def _padded(n: int) -> int:
@@ -209,6 +242,9 @@ def read_header(buf: torch.Tensor | bytes | bytearray | memoryview) -> dict:
         or flags & ~_FLAG_ZSTD
     ):
         raise PacketError("malformed packet header")
+    for field, value in (("seed", seed), ("step", step)):
+        if value >= 2**63:
+            raise PacketError(f"malformed packet header: {field} {value} is not below 2**63")
     return {
         "zstd": bool(flags & _FLAG_ZSTD),
         "dtype": _CODE_DTYPES[dtype_c],
@@ -221,20 +257,102 @@ def read_header(buf: torch.Tensor | bytes | bytearray | memoryview) -> dict:
     }
 
 
-def from_wire(buf: torch.Tensor | bytes | bytearray | memoryview, codec: Codec) -> Packet:
-    """uint8 tensor or bytes -> Packet, checked against the codec the receiver expects.
+def _check_expected(h: dict, codec: Codec, level: object, expect: Expected) -> None:
+    """Every field of the header against the plan (cheap comparisons, nothing allocated)."""
+    if not isinstance(expect, Expected):
+        raise TypeError(f"expect: expected an Expected, got {type(expect).__name__}")
+    key, want = h["key"], expect.key
+    if (key.step, key.bucket, key.rank) != (want.step, want.bucket, want.rank):
+        raise PacketError(
+            f"packet is for step {key.step}, bucket {key.bucket}, sender {key.rank}; expected "
+            f"step {want.step}, bucket {want.bucket}, sender {want.rank}: ranks are out of step"
+        )
+    if key.seed != want.seed:
+        raise PacketError(
+            f"packet has seed {key.seed}; expected {want.seed}: ranks run with different seeds"
+        )
+    if h["numel"] != expect.numel:
+        raise PacketError(
+            f"packet holds {h['numel']} elements; expected {expect.numel}: the ranks' gradient "
+            "buckets differ"
+        )
+    try:
+        want_level = codec.check_level(expect.level)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"expect.level={expect.level!r} does not fit {codec.name!r}: {e}") from e
+    if level != want_level:
+        raise PacketError(
+            f"packet has level {level!r} of {codec.name!r}; expected {want_level!r}: ranks "
+            "disagree on the plan"
+        )
+    if h["zstd"] and not expect.zstd:
+        raise PacketError(
+            "packet payload is zstd-compressed; expected no zstd: the plan did not ask for it"
+        )
 
-    Raises PacketError for a corrupt, truncated or wrong-version packet, one from another codec,
-    or one whose part sizes do not match what the codec lays out for its numel and level.
+
+def _unzstd(payload: torch.Tensor, raw_len: int) -> torch.Tensor:
+    """Decompress a one-frame zstd payload that must hold exactly raw_len bytes. The frame's
+    declared size is checked first: zstd allocates what a frame declares."""
+    import zstandard
+
+    data = payload.numpy().tobytes()
+    if data[:4] != _ZSTD_MAGIC:
+        raise PacketError("zstd payload does not start with a zstd frame")
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise PacketError(f"zstd frame header is unreadable: {e}") from e
+    if declared != raw_len:
+        said = "no size" if declared < 0 else f"{declared} bytes"
+        raise PacketError(f"zstd frame declares {said}; expected {raw_len} (the codec's layout)")
+    if declared > _ZSTD_MAX_RATIO * len(data):
+        raise PacketError(
+            f"zstd frame of {len(data)} bytes declares {declared}: more than zstd can hold"
+        )
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(
+            data, max_output_size=raw_len, allow_extra_data=False
+        )
+    except zstandard.ZstdError as e:
+        raise PacketError(f"zstd payload does not decompress: {e}") from e
+    if len(raw) != raw_len:
+        raise PacketError(f"zstd payload holds {len(raw)} bytes; expected {raw_len}")
+    return (
+        torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if raw
+        else torch.empty(0, dtype=torch.uint8)
+    )
+
+
+def from_wire(
+    buf: torch.Tensor | bytes | bytearray | memoryview,
+    codec: Codec,
+    *,
+    expect: Expected | None = None,
+) -> Packet:
+    """uint8 tensor or bytes -> Packet, checked against the codec the receiver expects and, with
+    `expect`, against the receiver's plan: numel, level, RandomKey (seed, step, bucket, sender)
+    and whether zstd may be used. Every declared size is checked before anything is allocated or
+    decompressed.
+
+    Raises PacketError - and only PacketError, whatever the bytes - for a corrupt, truncated,
+    wrong-version, foreign, out-of-step or oversized packet. Without `expect`, a packet's numel is
+    taken as declared: a receiver that knows what it expects should say so.
     """
     h = read_header(buf)
-    if h["codec_id"] != codec.id:
+    if h["codec_id"] not in codec.wire_ids:
         raise PacketError(
             f"packet is from codec id {h['codec_id']:#010x}, expected {codec.name!r} ({codec.id:#010x}); "
             "ranks disagree on the compression config"
         )
     try:
         level = codec.level_from_floats(h["level"])
+    except (ValueError, TypeError) as e:
+        raise PacketError(f"packet header does not fit codec {codec.name!r}: {e}") from e
+    if expect is not None:
+        _check_expected(h, codec, level, expect)
+    try:
         layout = codec.layout(h["numel"], level, h["dtype"])
     except (ValueError, TypeError) as e:
         raise PacketError(f"packet header does not fit codec {codec.name!r}: {e}") from e
@@ -246,19 +364,12 @@ def from_wire(buf: torch.Tensor | bytes | bytearray | memoryview, codec: Codec) 
     payload = h["payload"]
     raw_len = layout_nbytes(layout)
     if h["zstd"]:
-        import zstandard
-
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(
-                payload.numpy().tobytes(), max_output_size=raw_len
+        if payload.numel() >= raw_len:
+            raise PacketError(
+                f"zstd payload of {payload.numel()} bytes for {raw_len} raw: the sender keeps "
+                "zstd only where it shrinks the payload"
             )
-        except zstandard.ZstdError as e:
-            raise PacketError(f"zstd payload does not decompress: {e}") from e
-        payload = (
-            torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-            if raw
-            else torch.empty(0, dtype=torch.uint8)
-        )
+        payload = _unzstd(payload, raw_len)
     if payload.numel() != raw_len:
         raise PacketError(f"payload is {payload.numel()} bytes, the layout needs {raw_len}")
     parts, offset = [], 0

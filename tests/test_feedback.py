@@ -91,7 +91,7 @@ def test_fused_and_generic_paths_agree():
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(4))
     r0 = torch.randn(10_000, generator=torch.Generator().manual_seed(5)) * 0.1
     ef = ErrorFeedback()
-    ef.residuals["k"] = r0.clone()
+    ef.put("k", r0)
     fused = codec.decode(ef.encode("k", x, codec, 0.02))
     acc = x + r0
     generic = codec.decode(codec.encode(acc, 0.02))
