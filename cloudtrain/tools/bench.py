@@ -1,22 +1,31 @@
 """`cloudtrain bench`: the same training, side by side, over an emulated multi-region WAN.
 
-    sudo cloudtrain bench                               # 2 regions x 2 ranks, 100 Mbit/s
+    sudo cloudtrain bench                               # 2 regions x 2 ranks, 100 Mbit/s, 80 ms
+    sudo cloudtrain bench --mbit 50 --rtt-ms 180        # slower and farther (us-asia)
     cloudtrain bench --scenario hetero|drop|unshaped    # the other measurements
     cloudtrain bench --steps 150 --json                 # machine-readable report on stdout
 
 Each method trains the same model on the same real data (scikit-learn's handwritten digits; an
 MLP wide enough that its gradients are worth compressing) for the same steps with the same seed:
 compute only (no gradient exchange at all, on loopback: the floor), plain DDP, PyTorch's fp16
-hook, PyTorch's PowerSGD hook, CloudDDP "auto" and a fixed CloudDDP preset. With root the ranks
-run in `cloudtrain netem` namespaces, two regions joined by tbf-shaped links; without root they
-run on loopback, and the report says so. Bytes that crossed the WAN come from the interface
-counters of the shaped links, whatever the frameworks report.
+hook, PyTorch's PowerSGD hook, CloudDDP "auto" and a fixed CloudDDP preset. With root every
+method but compute only runs on the same `cloudtrain netem` links: two regions joined by
+tbf-shaped links that also hold every frame for the round-trip time (netem, or the emulator's
+userspace delay line where the kernel lacks netem); without root they run on loopback, and the
+report says so. An emulator that fails to come up as root is an error, never a silent fall back
+to loopback. Bytes that crossed the WAN come from the interface counters of the shaped links,
+whatever the frameworks report. The report's network line says which emulation was applied
+("rate + delay (userspace delay line)", "rate + delay (netem)" or "rate only").
 
-Scenarios: `wan` (both regions at --mbit, default 100), `unshaped` (no shaping: auto must choose
-no lossy compression and stay within 5% of DDP), `hetero` (one region at 1000 Mbit/s, the other
-at 50), `drop` (1000 Mbit/s, falling to 50 at --drop-at while CloudDDP auto trains: how many
-steps until the step time is back within 1.5x of compute only; at a global batch of 2048, so
-that the link before the drop needs little compression and the one after it much).
+Scenarios (SCENARIOS; --mbit and --rtt-ms override a scenario's rate and RTT):
+`wan` (both regions at 100 Mbit/s with 80 ms RTT, us-east to eu-west), `unshaped` (no shaping
+and no delay: auto must choose no lossy compression and stay within 5% of DDP), `hetero` (one
+region sends at 1000 Mbit/s, the other at 50; no delay unless --rtt-ms), `drop` (1000 Mbit/s,
+falling to 50 at --drop-at while CloudDDP auto trains: how many steps until the step time is
+back within 1.5x of compute only; at a global batch of 2048, so that the link before the drop
+needs little compression and the one after it much; no delay unless --rtt-ms). hetero and drop
+measure how the controller follows bandwidth; they keep 0 ms so that their figures stay
+comparable with earlier runs and 1000 Mbit/s stays well inside what the delay line carries.
 
 The ratio to compute only depends on how much compute a step has per gradient byte: this MLP at
 batch 256 has little (a fixed ~40 ms of dense reduction inside regions on a 2-core machine is
@@ -49,7 +58,27 @@ LABELS = {
     "cloud-auto": 'CloudDDP "auto"',
     "cloud-topk-1pct": 'CloudDDP "topk-1pct"',
 }
-SCENARIOS = ("wan", "unshaped", "hetero", "drop")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """The emulated links of a scenario: per-region uplink/downlink Mbit/s and the RTT between
+    the regions. `up` None: unshaped (no tbf, no delay)."""
+
+    up: dict[str, float] | None
+    down: dict[str, float] | None
+    rtt_ms: float = 0.0
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "wan": Scenario({"us": 100.0, "eu": 100.0}, {"us": 100.0, "eu": 100.0}, 80.0),
+    "unshaped": Scenario(None, None, 0.0),
+    # us sends at 1 Gbit/s, eu at 50 Mbit/s; both receive at 1 Gbit/s
+    "hetero": Scenario({"us": 1000.0, "eu": 50.0}, {"us": 1000.0, "eu": 1000.0}, 0.0),
+    "drop": Scenario({"us": 1000.0, "eu": 1000.0}, {"us": 1000.0, "eu": 1000.0}, 0.0),
+}
+UNSHAPED_MBIT = 1e5
+"""What "unshaped" puts on the region links: beyond anything two cores can send."""
 
 
 # -- the worker: one rank of one method ----------------------------------------------------------
@@ -256,14 +285,18 @@ def _run_method(
     )
 
 
-def _scenario_links(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, float]] | None:
-    """(uplink, downlink) Mbit/s per region for the scenario; None: unshaped."""
-    if args.scenario == "unshaped":
-        return None
-    if args.scenario == "hetero":  # us sends at 1 Gbit/s, eu at 50 Mbit/s; both receive at 1 Gbit/s
-        return {"us": 1000.0, "eu": 50.0}, {"us": 1000.0, "eu": 1000.0}
-    rate = args.mbit if args.scenario == "wan" else 1000.0  # drop: 1 Gbit/s until --drop-at
-    return {"us": rate, "eu": rate}, {"us": rate, "eu": rate}
+def scenario_links(args: argparse.Namespace) -> Scenario:
+    """The scenario's links with --mbit (both directions of every region) and --rtt-ms applied."""
+    base = SCENARIOS[args.scenario]
+    rtt = base.rtt_ms if args.rtt_ms is None else args.rtt_ms
+    if base.up is None:
+        if rtt:
+            raise SystemExit("cloudtrain bench: --rtt-ms needs shaped links; use --scenario wan")
+        return base
+    if args.mbit is None:
+        return Scenario(base.up, base.down, rtt)
+    rates = dict.fromkeys(base.up, args.mbit)
+    return Scenario(rates, dict(rates), rtt)
 
 
 def _plot(runs: list[Run], path: Path, title: str) -> bool:
@@ -296,16 +329,23 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     from . import netem
 
     regions = ["us", "us", "eu", "eu"]
-    ok, why = netem.available()
+    ok, why = netem.available()  # False only where the machine lacks root, ip/tc or tbf
     wan = None
-    links = _scenario_links(args)
+    links = scenario_links(args)
     if ok:
-        ups, downs = (
-            links if links is not None else ({"us": 1e5, "eu": 1e5}, {"us": 1e5, "eu": 1e5})
-        )
+        unshaped = dict.fromkeys(("us", "eu"), UNSHAPED_MBIT)
         name = f"bench{os.getpid() % 10000}"
-        wan = netem.Emulator({"us": 2, "eu": 2}, ups, name=name, down_mbit=downs).up()
-        network = f"2 regions x 2 ranks in network namespaces, {netem_describe(links)}; emulation: {wan.emulation}"
+        wan = netem.Emulator(
+            {"us": 2, "eu": 2},
+            links.up or unshaped,
+            rtt_ms=links.rtt_ms,
+            name=name,
+            down_mbit=links.down or unshaped,
+        ).up()
+        network = (
+            f"2 regions x 2 ranks in network namespaces, {netem_describe(links)}; "
+            f"emulation: {wan.emulation} ({wan.emulation_note})"
+        )
     else:
         network = f"loopback, no WAN shaping ({why}); the figures show overheads, not WAN savings"
     methods = args.methods or (
@@ -322,8 +362,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                 progress.set_postfix_str(method)
                 drop = None
                 if args.scenario == "drop" and method != "compute" and wan is not None:
-                    wan.set_rate("us", 1000.0)
-                    wan.set_rate("eu", 1000.0)
+                    for region, rate in (links.up or {}).items():  # back to before the drop
+                        wan.set_rate(region, rate)
                     drop = lambda: (wan.set_rate("us", 50.0), wan.set_rate("eu", 50.0))  # noqa: E731
                 runs.append(_run_method(method, args, wan, regions, progress, drop))
     finally:
@@ -354,6 +394,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         "scenario": args.scenario,
         "network": network,
         "emulation": wan.emulation if wan is not None else "none (loopback)",
+        "rtt_ms": links.rtt_ms if wan is not None else 0.0,
         "model": f"MLP 64-{args.hidden}-{args.hidden}-10 on scikit-learn digits",
         "steps": args.steps,
         "global_batch": args.batch,
@@ -374,16 +415,16 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def netem_describe(links: tuple[dict[str, float], dict[str, float]] | None) -> str:
-    if links is None:
-        return "links unshaped"
-    ups, downs = links
-    return "region links " + ", ".join(
-        f"{r} {ups[r]:g} Mbit/s"
-        if ups[r] == downs[r]
-        else f"{r} {ups[r]:g} up/{downs[r]:g} down Mbit/s"
+def netem_describe(links: Scenario) -> str:
+    """The scenario's links in words: rates per region and the RTT between regions."""
+    if links.up is None or links.down is None:
+        return "links unshaped, no added delay"
+    ups, downs = links.up, links.down
+    rates = ", ".join(
+        f"{r} {ups[r]:g} Mbit/s" if ups[r] == downs[r] else f"{r} {ups[r]:g} up/{downs[r]:g} down"
         for r in ups
     )
+    return f"region links {rates}, {links.rtt_ms:g} ms RTT between regions"
 
 
 def _recovery(
@@ -451,9 +492,14 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scenario", choices=SCENARIOS, default="wan")
+    parser.add_argument("--scenario", choices=list(SCENARIOS), default="wan")
     parser.add_argument(
-        "--mbit", type=float, default=100.0, help="rate between regions (scenario wan)"
+        "--mbit", type=float, help="rate of every region link (default: the scenario's; wan 100)"
+    )
+    parser.add_argument(
+        "--rtt-ms",
+        type=float,
+        help="RTT between regions (default: the scenario's; wan 80, the others 0)",
     )
     parser.add_argument("--methods", nargs="+", choices=METHODS, help="a subset of the methods")
     parser.add_argument("--steps", type=int, default=150)
