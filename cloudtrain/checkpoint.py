@@ -1,32 +1,55 @@
-"""Checkpoints of a training run in a local directory or in S3, that a crash never corrupts.
+"""Checkpoints of a training run in local folders or in S3, across regions, that a crash never
+corrupts and a restart always finds.
 
 One folder per step under a root URI (a path, `file:///path` or `s3://bucket/prefix`):
 
-    <root>/step-00001234/model.pt        rank 0: model.state_dict() (replicated: written once)
-                         optimizer.pt    rank 0: optimizer.state_dict()
-                         rank-00000.pt   every rank: {"comm_state": ..., "extra": ...}
-                         rank-00001.pt   (per-rank state: error-feedback residuals, RNG states)
-                         manifest.json   rank 0, written LAST: every file's size and sha256,
-                                         the step, the world size, the format version
+    <root>/step-00001234/model.pt        model.state_dict() (replicated: one copy per store)
+                         optimizer.pt    optimizer.state_dict() (likewise)
+                         rank-00000.pt   each rank its own: {"comm_state": ..., "extra": ...}
+                         rank-00001.pt   (error-feedback residuals, RNG states)
+                         manifest.json   written LAST: the commit marker
 
-Every rank writes its own shard, the ranks exchange what they wrote (an all_gather_object, which
-is also the barrier), then rank 0 writes the manifest: the manifest is the commit marker. A step
-without a manifest, or whose files do not match it in size and sha256, was cut short (a spot
-reclaim, a crash) and is never loaded; the reader falls back to the newest step that verifies, and
-the ranks agree on which one. After a commit, rank 0 deletes all but the newest `keep_last`
-committed steps (and any unfinished step older than those).
+Across regions (terraform/ gives each region its own bucket, reachable only from that region's
+hosts) the root is a template, `Checkpointer("s3://ct-demo-{region}-ckpt/run1")`, filled with the
+rank's region (`region=`, else cloudtrain.topology.region_of_this_host(): CLOUDTRAIN_REGION or
+what `cloudtrain launch` exported), or a map {region: root}. So each rank writes to its own
+region's store, and nothing but a few KB of manifest crosses a region on the write path:
+
+- every rank writes its shard to its store; the lowest rank of each store also writes the
+  replicated model and optimizer there, so a restart reads them in-region too;
+- the ranks exchange what they wrote (size and sha256 of every file, compressed bytes as stored);
+- rank 0 builds the manifest: for every rank, the root its shard lives under; for every file, its
+  root, size and sha256. It is sent to the ranks over torch.distributed, the lowest rank of every
+  other store writes a copy into its own store, and rank 0 writes its own copy last - the commit.
+  Any region can then find the newest complete step in its own store, with its own credentials.
+
+Before anything is written, the ranks compare where they are about to write: ranks of one region
+that point at different places, ranks with different local folders (a manifest cannot describe
+another host's disk), or a mix of schemes fail save() with the same CheckpointError on every rank -
+never a save that "succeeds" and a load that finds nothing.
+
+A step without a manifest, or whose files do not match it in size and sha256, was cut short (a spot
+reclaim, a crash) and is never loaded: latest_step() and load() fall back to the newest step that
+verifies, and the ranks agree on which one (rank 0 lists its store and reads the manifest; every
+rank checks its own files; one rank's failure is every rank's error). After a commit, each store
+keeps its newest `keep_last` committed steps. Files are compressed with zstd (level 3; the sha256
+is over the stored bytes); uncompressed checkpoints of older versions still load.
+
+The collectives run in cloudtrain's own gloo group (cloudtrain.bootstrap.control_group) with its
+timeout (CLOUDTRAIN_TIMEOUT, default 300 s): a rank that never arrives is an error, not a hang.
 
 S3 goes through boto3 (the `cloud` extra): multipart transfers for big files (TransferConfig),
 botocore's retry with backoff for every request, and a retry of our own around the manifest,
 the one object whose loss would cost a whole checkpoint. The endpoint can be set with
 `S3Config(endpoint_url=...)` or boto3's own `AWS_ENDPOINT_URL_S3`.
 
-    ckpt = Checkpointer("s3://my-bucket/run-7", keep_last=3)
+    ckpt = Checkpointer("s3://ct-demo-{region}-ckpt/run-7", keep_last=3)
     start = 0
-    if ckpt.latest_step() is not None:
+    if ckpt.latest_step() is not None:      # every rank: in a distributed run it is collective
         state = ckpt.load(map_location="cpu")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        ddp.load_comm_state_dict(state["comm_state"])
         start = state["step"]
     for step in range(start, total):
         ...
@@ -56,10 +79,16 @@ from urllib.parse import urlparse
 
 import torch
 
+from .bootstrap import control_group, timeout_seconds
+from .topology import region_of_this_host
+
 log = logging.getLogger(__name__)
 
 FORMAT = "cloudtrain.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: files may live in several stores (a root per file and per rank); files may be zstd frames."""
+DEFAULT_ZSTD_LEVEL = 3
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -340,6 +369,11 @@ def _open_store(uri: str, s3: S3Config) -> _LocalStore | _S3Store:
 # ---------------------------------------------------------------------------------- helpers
 
 
+def _scheme(uri: str) -> str:
+    match = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", uri)
+    return match.group(1).lower() if match else ""
+
+
 def _dist() -> Any:
     """torch.distributed when a process group is up, else None."""
     import torch.distributed as dist
@@ -364,22 +398,46 @@ def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def _all_gather(obj: _T) -> list[_T]:
-    dist = _dist()
-    if dist is None:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+class _Ranks:
+    """The collectives of one save/load, in cloudtrain's own group and timeout; one process alone
+    (no torch.distributed) is a world of one."""
 
+    def __init__(self, timeout_s: float | None) -> None:
+        self.dist = _dist()
+        self.timeout_s = timeout_seconds(timeout_s)
+        self.group = control_group(self.timeout_s) if self.dist is not None else None
 
-def _broadcast(obj: _T) -> _T:
-    dist = _dist()
-    if dist is None:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    @property
+    def many(self) -> bool:
+        return self.dist is not None and self.dist.get_world_size() > 1
+
+    def _fail(self, what: str, e: Exception) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint: {what} failed across ranks ({type(e).__name__}: {e}); a rank died, or "
+            f"did not reach the same call within {self.timeout_s:g} s (CLOUDTRAIN_TIMEOUT): every "
+            "rank must call save(), load() and latest_step() at the same points"
+        )
+
+    def all_gather(self, obj: _T, what: str) -> list[_T]:
+        if not self.many:
+            return [obj]
+        out: list[Any] = [None] * self.dist.get_world_size()
+        try:
+            self.dist.all_gather_object(out, obj, group=self.group)
+        except Exception as e:
+            raise self._fail(what, e) from e
+        return out
+
+    def broadcast(self, obj: _T, what: str) -> _T:
+        """Rank 0's `obj` on every rank."""
+        if not self.many:
+            return obj
+        box = [obj]
+        try:
+            self.dist.broadcast_object_list(box, src=0, group=self.group)
+        except Exception as e:
+            raise self._fail(what, e) from e
+        return box[0]
 
 
 def _state_of(obj: Any, what: str) -> Mapping[str, Any]:
@@ -395,38 +453,201 @@ def _state_of(obj: Any, what: str) -> Mapping[str, Any]:
     raise TypeError(f"{what} must be a module, an optimizer or a state dict, not {type(obj)}")
 
 
-def _serialize(obj: Any) -> bytes:
+def _zstd() -> Any:
+    try:
+        import zstandard
+    except ImportError as e:
+        raise CheckpointError(
+            "zstd-compressed checkpoints need the zstandard package: pip install zstandard, "
+            "or Checkpointer(..., compression_level=None) to write uncompressed files"
+        ) from e
+    return zstandard
+
+
+def _serialize(obj: Any, level: int | None) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
-    return buf.getvalue()
+    data = buf.getvalue()
+    if level is None:
+        return data
+    return _zstd().ZstdCompressor(level=level).compress(data)
+
+
+def _deserialize(data: bytes, map_location: Any, weights_only: bool) -> Any:
+    if data[:4] == _ZSTD_MAGIC:
+        # Trusted size: these bytes already matched the manifest's sha256.
+        data = _zstd().ZstdDecompressor().decompressobj().decompress(data)
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
 
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _parse_manifest(raw: bytes, step: int, where: str) -> dict[str, Any]:
+    """The manifest in one shape for every version: step, world_size, version, files (a list of
+    {root, name, size, sha256}: root None = the store it was read from), ranks (root of each
+    rank's shard, None likewise). Raises _Incomplete for anything unreadable or missing."""
+    try:
+        manifest = json.loads(raw)
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"format is {manifest.get('format')!r}, not {FORMAT!r}")
+        version = manifest.get("version", 0)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"version is {version!r}")
+        if version > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{where} has checkpoint format version {version}; this cloudtrain reads up to "
+                f"{FORMAT_VERSION}: upgrade it"
+            )
+        if int(manifest["step"]) != step:
+            raise ValueError(f"it says step {manifest['step']}")
+        world_size = manifest["world_size"]
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size is {world_size!r}")
+        if version < 2:
+            files = [
+                {"root": None, "name": str(name), "size": e["size"], "sha256": e["sha256"]}
+                for name, e in manifest["files"].items()
+            ]
+            ranks: list[str | None] = [None] * world_size
+        else:
+            files = [
+                {"root": str(e["root"]), "name": str(e["name"]), "size": e["size"],
+                 "sha256": e["sha256"]}
+                for e in manifest["files"]
+            ]  # fmt: skip
+            ranks = [str(r) for r in manifest["ranks"]]
+            if len(ranks) != world_size:
+                raise ValueError(f"{len(ranks)} ranks listed for world_size {world_size}")
+        for e in files:
+            if not isinstance(e["size"], int) or not isinstance(e["sha256"], str):
+                raise ValueError(f"entry {e['name']} has no integer size and sha256")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _Incomplete(f"unreadable manifest.json ({type(e).__name__}: {e})") from None
+    return {"step": step, "world_size": world_size, "version": version, "files": files,
+            "ranks": ranks}  # fmt: skip
+
+
 # ------------------------------------------------------------------------------ checkpointer
 
 
 class Checkpointer:
-    """Saves and loads training state under one URI; see the module docstring for the layout.
+    """Saves and loads training state; see the module docstring for the layout.
 
-    uri: a local path, file:///path or s3://bucket/prefix. keep_last: committed steps to keep
-    (None keeps all). s3: how to reach S3 (ignored for local paths).
+    uri: a local path, file:///path or s3://bucket/prefix, the same on every rank; or a template
+    with "{region}" (e.g. s3://ct-demo-{region}-ckpt/run1); or a map {region: root}.
+    region: this rank's region, for a template or a map (default: region_of_this_host()).
+    keep_last: committed steps to keep per store (None keeps all). s3: how to reach S3 (ignored
+    for local paths). compression_level: zstd level of the files written (1-22; None: none).
+    timeout_s: how long a collective waits for the other ranks (default CLOUDTRAIN_TIMEOUT).
     """
 
-    def __init__(self, uri: str, keep_last: int | None = 3, *, s3: S3Config | None = None) -> None:
+    def __init__(
+        self,
+        uri: str | Mapping[str, str],
+        keep_last: int | None = 3,
+        *,
+        region: str | None = None,
+        s3: S3Config | None = None,
+        compression_level: int | None = DEFAULT_ZSTD_LEVEL,
+        timeout_s: float | None = None,
+    ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last}: keep at least 1 step, or None for all")
-        self.uri = uri
+        if compression_level is not None and (
+            isinstance(compression_level, bool)
+            or not isinstance(compression_level, int)
+            or not 1 <= compression_level <= 22
+        ):
+            raise CheckpointError(
+                f"compression_level={compression_level!r}: a zstd level 1-22 (3 is fast and "
+                "near the best ratio for weights), or None for uncompressed files"
+            )
         self.keep_last = keep_last
+        self.compression_level = compression_level
+        self.timeout_s = timeout_seconds(timeout_s)
         self.s3 = s3 or S3Config()
-        self._store = _open_store(uri, self.s3)
+        self.region, self.uri = self._resolve(uri, region)
+        self._store = _open_store(self.uri, self.s3)
+        self._stores: dict[str, _LocalStore | _S3Store] = {self.uri: self._store}
+
+    @staticmethod
+    def _resolve(uri: str | Mapping[str, str], region: str | None) -> tuple[str | None, str]:
+        """(this rank's region, None where unknown, and this rank's root URI)."""
+        templated = not isinstance(uri, str) or "{region}" in uri
+        if region is None:
+            # Known even where the URI needs none: save() checks that ranks of one region agree.
+            try:
+                region = region_of_this_host()
+            except ValueError:
+                if templated:
+                    raise
+        if templated and region is None:
+            raise CheckpointError(
+                f"checkpoint URI {uri!r} depends on the region, and this rank's region is "
+                "unknown: set CLOUDTRAIN_REGION (cloudtrain launch sets each host's), or "
+                "pass Checkpointer(..., region=...)"
+            )
+        if isinstance(uri, str):
+            return region, uri.replace("{region}", region) if templated else uri
+        if region not in uri:
+            raise CheckpointError(
+                f"no checkpoint URI for region {region!r}: the map names {sorted(uri)}"
+            )
+        return region, uri[region]
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.uri!r}, keep_last={self.keep_last})"
 
+    def _store_at(self, root: str | None) -> _LocalStore | _S3Store:
+        """The store of `root` (None: this rank's own)."""
+        root = self.uri if root is None else root
+        if root not in self._stores:
+            self._stores[root] = _open_store(root, self.s3)
+        return self._stores[root]
+
     # ------------------------------------------------------------------------------ writing
+
+    @staticmethod
+    def _check_layout(layout: list[tuple[str, str | None, bool, bool]]) -> None:
+        """Raise the same CheckpointError on every rank if the ranks' roots do not fit together.
+
+        layout: per rank (root, region, has model, has optimizer)."""
+        by_region: dict[str | None, dict[str, list[int]]] = {}
+        for rank, (root, region, _, _) in enumerate(layout):
+            by_region.setdefault(region, {}).setdefault(root, []).append(rank)
+        problems = []
+        for region, roots in by_region.items():
+            if len(roots) > 1:
+                who = "; ".join(f"ranks {ranks} -> {root}" for root, ranks in roots.items())
+                what = f"ranks of region {region!r}" if region else "ranks without a region"
+                problems.append(f"{what} write to different places ({who})")
+        roots = {root for root, *_ in layout}
+        schemes = {_scheme(root) for root in roots}
+        if len(roots) > 1 and schemes != {"s3"}:
+            problems.append(
+                f"ranks write to different roots of schemes {sorted(schemes)} ({sorted(roots)}): "
+                "one manifest can describe several object stores (s3://), never other hosts' "
+                "local folders; give every rank the same shared path, or s3://BUCKET-{region}/..."
+            )
+        leaders: dict[str, int] = {}
+        for rank, (root, *_) in enumerate(layout):
+            leaders.setdefault(root, rank)
+        for root, rank in leaders.items():
+            if layout[rank][2:] != layout[0][2:]:
+                problems.append(
+                    f"rank {rank} writes the model and optimizer to {root} but was given "
+                    f"model={'yes' if layout[rank][2] else 'None'}, optimizer="
+                    f"{'yes' if layout[rank][3] else 'None'} while rank 0 was given "
+                    f"model={'yes' if layout[0][2] else 'None'}, optimizer="
+                    f"{'yes' if layout[0][3] else 'None'}: pass the same on every rank"
+                )
+        if problems:
+            raise CheckpointError(
+                "checkpoint not saved: the ranks do not write to a consistent place, so no load "
+                "could find every file: " + "; ".join(problems)
+            )
 
     def save(
         self,
@@ -439,13 +660,14 @@ class Checkpointer:
         rank: int | None = None,
         world_size: int | None = None,
     ) -> str:
-        """Write and commit checkpoint `step`; returns where it is. Call on every rank.
+        """Write and commit checkpoint `step`; returns this rank's step folder. Call on every rank.
 
-        model / optimizer: replicated state, written by rank 0 (a module, a DDP wrapper, an
-        optimizer or a state dict). comm_state: this rank's communication state
-        (CloudDDP.comm_state_dict()). extra: this rank's other state (RNG states, data position).
-        rank / world_size default to torch.distributed's, else 0 / 1. When this returns on any
-        rank, the step is committed on all of them; a failure on any rank raises on every rank.
+        model / optimizer: replicated state (a module, a DDP wrapper, an optimizer or a state
+        dict), given on every rank: the first rank of each store writes it there. comm_state: this
+        rank's communication state (CloudDDP.comm_state_dict()). extra: this rank's other state
+        (RNG states, data position). rank / world_size default to torch.distributed's, else 0 / 1.
+        When this returns on any rank, the step is committed on all of them; a failure on any rank
+        raises CheckpointError on every rank.
         """
         if step < 0:
             raise CheckpointError(f"step={step} must be >= 0")
@@ -455,72 +677,98 @@ class Checkpointer:
                 f"save(rank={rank}, world_size={world_size}) needs torch.distributed initialised, "
                 "so that rank 0 commits only after every rank has written its shard"
             )
+        ranks = _Ranks(self.timeout_s)
         folder = step_dir(step)
-        written: dict[str, dict[str, Any]] = {}
+        layout = ranks.all_gather(
+            (self.uri, self.region, model is not None, optimizer is not None), "the layout check"
+        )
+        self._check_layout(layout)
+        roots = [root for root, *_ in layout]
+        leads_store = roots.index(self.uri) == rank  # the lowest rank writing to this root
+
+        written: list[dict[str, Any]] = []
         error = None
         try:
-            if rank == 0:
+            if leads_store:
                 # Re-saving a step: un-commit it first. Other ranks may already be overwriting
                 # their shards; a reader would reject those against the old manifest's hashes.
                 self._store.delete(f"{folder}/{MANIFEST}")
             payloads: dict[str, Any] = {}
-            if rank == 0 and model is not None:
+            if leads_store and model is not None:
                 payloads[MODEL_FILE] = _state_of(model, "model")
-            if rank == 0 and optimizer is not None:
+            if leads_store and optimizer is not None:
                 payloads[OPTIMIZER_FILE] = _state_of(optimizer, "optimizer")
             payloads[rank_file(rank)] = {
                 "comm_state": dict(comm_state) if comm_state is not None else None,
                 "extra": dict(extra) if extra is not None else None,
             }
             for name, obj in payloads.items():
-                data = _serialize(obj)
+                data = _serialize(obj, self.compression_level)
                 self._store.put(f"{folder}/{name}", data)
-                written[name] = {"size": len(data), "sha256": _sha256(data)}
+                written.append(
+                    {"root": self.uri, "name": name, "size": len(data), "sha256": _sha256(data)}
+                )
         except Exception as e:
             log.exception("checkpoint: rank %d could not write %s", rank, self._store.where(folder))
             error = f"rank {rank}: {type(e).__name__}: {e}"
 
-        # The gather is the barrier: rank 0 commits only once every shard is written.
-        gathered = _all_gather((written, error))
+        # The gather is the barrier: nothing is committed before every shard is written.
+        gathered = ranks.all_gather((written, error), "the gather of written files")
         errors = [err for _, err in gathered if err]
         if errors:
-            raise CheckpointError(
-                f"checkpoint step {step} at {self._store.where(folder)} was not committed: "
-                + "; ".join(errors)
-            )
+            raise CheckpointError(f"checkpoint step {step} was not committed: " + "; ".join(errors))
 
-        commit_error = None
+        manifest_data = None
         if rank == 0:
-            try:
-                files: dict[str, Any] = {}
-                for shard in gathered:
-                    files.update(shard[0])
-                manifest = {
-                    "format": FORMAT,
-                    "version": FORMAT_VERSION,
-                    "step": step,
-                    "world_size": world_size,
-                    "files": dict(sorted(files.items())),
-                    "created_unix": time.time(),
-                    "torch_version": torch.__version__,
-                }
-                data = json.dumps(manifest, indent=1).encode()
-                self._retry(
-                    lambda: self._store.put(f"{folder}/{MANIFEST}", data), f"write {MANIFEST}"
+            manifest = {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "step": step,
+                "world_size": world_size,
+                "ranks": roots,
+                "files": [entry for files, _ in gathered for entry in files],
+                "compression": None if self.compression_level is None else "zstd",
+                "created_unix": time.time(),
+                "torch_version": torch.__version__,
+            }
+            manifest_data = json.dumps(manifest, indent=1).encode()
+        manifest_data = ranks.broadcast(manifest_data, "the manifest broadcast")
+        assert manifest_data is not None
+
+        # Copies first, rank 0's own last: the step counts as committed (for load(), which reads
+        # rank 0's store) only once every store has its copy.
+        copy_error = None
+        if leads_store and rank != 0:
+            copy_error = self._write_manifest(folder, manifest_data, rank)
+        if len(set(roots)) > 1:
+            copy_errors = [e for e in ranks.all_gather(copy_error, "the manifest copies") if e]
+            if copy_errors:
+                raise CheckpointError(
+                    f"checkpoint step {step}: files written but not committed (a manifest copy "
+                    f"failed): {'; '.join(copy_errors)}. The step will be ignored by readers."
                 )
-            except Exception as e:
-                log.exception("checkpoint: could not commit %s", self._store.where(folder))
-                commit_error = f"{type(e).__name__}: {e}"
-            else:
-                log.info("checkpoint: committed step %d at %s", step, self._store.where(folder))
-                self._prune(step)
-        commit_error = _broadcast(commit_error)
+        commit_error = self._write_manifest(folder, manifest_data, rank) if rank == 0 else None
+        commit_error = ranks.broadcast(commit_error, "the commit")
         if commit_error:
             raise CheckpointError(
-                f"checkpoint step {step}: shards written to {self._store.where(folder)} but "
-                f"the manifest was not: {commit_error}. The step will be ignored by readers."
+                f"checkpoint step {step}: files written but the manifest was not: {commit_error}. "
+                "The step will be ignored by readers."
             )
+        if leads_store:
+            log.info("checkpoint: committed step %d at %s", step, self._store.where(folder))
+            self._prune(step)
         return self._store.where(folder)
+
+    def _write_manifest(self, folder: str, data: bytes, rank: int) -> str | None:
+        """Write this store's manifest.json; the error as text (or None), never raised."""
+        try:
+            self._retry(lambda: self._store.put(f"{folder}/{MANIFEST}", data), f"write {MANIFEST}")
+        except Exception as e:
+            log.exception("checkpoint: could not write %s", self._store.where(folder))
+            return (
+                f"rank {rank}, {self._store.where(f'{folder}/{MANIFEST}')}: {type(e).__name__}: {e}"
+            )
+        return None
 
     def _prune(self, newest: int) -> None:
         """Keep the newest `keep_last` committed steps; never fails the save that called it."""
@@ -560,49 +808,151 @@ class Checkpointer:
         return [int(m.group(1)) for d in self._store.list_dirs() if (m := _STEP_DIR.match(d))]
 
     def _manifest(self, step: int) -> dict[str, Any]:
-        """The manifest of `step`, checked against the files present; raises _Incomplete."""
+        """This store's manifest of `step`, parsed (see _parse_manifest); raises _Incomplete."""
         folder = step_dir(step)
         try:
             raw = self._retry(lambda: self._store.get(f"{folder}/{MANIFEST}"), f"read {MANIFEST}")
         except KeyError:
             raise _Incomplete("no manifest.json (half-written: the save did not finish)") from None
-        try:
-            manifest = json.loads(raw)
-            if manifest.get("format") != FORMAT:
-                raise ValueError(f"format is {manifest.get('format')!r}, not {FORMAT!r}")
-            if int(manifest["step"]) != step:
-                raise ValueError(f"it says step {manifest['step']}")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise _Incomplete(f"unreadable manifest.json ({e})") from None
-        if manifest.get("version", 0) > FORMAT_VERSION:
-            raise CheckpointError(
-                f"{self._store.where(folder)} has checkpoint format version "
-                f"{manifest['version']}; this cloudtrain reads up to {FORMAT_VERSION}: upgrade it"
-            )
-        present = self._store.list_files(folder)
-        for name, entry in manifest["files"].items():
-            if name not in present:
-                raise _Incomplete(f"{name} is missing")
-            if present[name] != entry["size"]:
-                raise _Incomplete(
-                    f"{name} is {present[name]} bytes, the manifest says {entry['size']}"
-                )
+        manifest = _parse_manifest(raw, step, self._store.where(folder))
+        # Roots the manifest leaves implicit (version 1) are the store it was read from.
+        for entry in manifest["files"]:
+            entry["root"] = entry["root"] or self.uri
+        manifest["ranks"] = [root or self.uri for root in manifest["ranks"]]
         return manifest
 
-    def latest_step(self) -> int | None:
-        """Newest step with a manifest whose files are all present at the right sizes, or None.
+    def _needed(
+        self, manifest: dict[str, Any], rank: int | None, per_rank: bool
+    ) -> dict[str, dict[str, Any]]:
+        """The files (by name) that `rank` reads: its shard, and the model and optimizer from its
+        own store where that holds a copy, else from the first store that does. rank None: every
+        file of the step, keyed root/name."""
+        files = manifest["files"]
+        if rank is None:
+            return {f"{e['root']}/{e['name']}": e for e in files}
+        needed = {}
+        if per_rank:
+            name, root = rank_file(rank), manifest["ranks"][rank]
+            match = [e for e in files if e["name"] == name and e["root"] == root]
+            if not match:
+                raise _Incomplete(f"the manifest lists no {name} under {root}")
+            needed[name] = match[0]
+        for name in (MODEL_FILE, OPTIMIZER_FILE):
+            copies = [e for e in files if e["name"] == name]
+            own = [e for e in copies if e["root"] == self.uri]
+            if own or copies:
+                needed[name] = (own or copies)[0]
+        return needed
 
-        Cheap (listings and one small read per step tried); load() also checks the sha256 of
-        what it reads and falls back further if that fails.
-        """
-        for step in sorted(self._steps(), reverse=True):
+    def _read_verified(self, step: int, entry: dict[str, Any]) -> bytes:
+        """The stored bytes of one file, checked against its size and sha256; _Incomplete if not."""
+        store = self._store_at(entry["root"])
+        key = f"{step_dir(step)}/{entry['name']}"
+        try:
+            data = store.get(key)
+        except KeyError:
+            raise _Incomplete(f"{store.where(key)} is missing") from None
+        if len(data) != entry["size"]:
+            raise _Incomplete(
+                f"{store.where(key)} is {len(data)} bytes, the manifest says {entry['size']}"
+            )
+        if _sha256(data) != entry["sha256"]:
+            raise _Incomplete(
+                f"{entry['name']} does not match its sha256 in the manifest (corrupt): "
+                f"{store.where(key)}"
+            )
+        return data
+
+    def _find(
+        self,
+        step: int | None,
+        rank: int | None,
+        world_size: int,
+        strict_world_size: bool,
+    ) -> tuple[dict[str, Any], dict[str, bytes]] | None:
+        """The newest step (or `step`) whose manifest and this rank's files verify on every rank:
+        (manifest, verified bytes by name). Rank 0 lists its store and reads the manifest; every
+        rank reads its own files. None if nothing verifies (`self._skipped` says why)."""
+        ranks = _Ranks(self.timeout_s)
+        reads_manifest = rank in (0, None) or not ranks.many  # rank 0, or a process alone
+        listing: tuple[list[int], str | None] = ([], None)
+        if reads_manifest:
             try:
-                self._manifest(step)
-            except _Incomplete as why:
-                log.warning("checkpoint: skipping %s: %s", self._store.where(step_dir(step)), why)
-                continue
-            return step
+                listing = (sorted(self._steps(), reverse=True) if step is None else [step], None)
+            except Exception as e:
+                listing = ([], f"{self.uri}: {type(e).__name__}: {e}")
+        candidates, list_error = ranks.broadcast(listing, "the listing of steps")
+        if list_error:
+            raise CheckpointError(f"cannot list the checkpoints on rank 0, under {list_error}")
+        self._skipped: list[str] = []
+        for candidate in candidates:
+            where = self._store.where(step_dir(candidate))
+            read: tuple[dict[str, Any] | None, str | None, str | None] = (None, None, None)
+            if reads_manifest:
+                try:
+                    read = (self._manifest(candidate), None, None)
+                except _Incomplete as why:
+                    read = (None, f"{where}: {why}", None)
+                except Exception as e:
+                    read = (None, None, f"{type(e).__name__}: {e}")
+            manifest, problem, fatal = ranks.broadcast(read, "the manifest")
+            if fatal:
+                raise CheckpointError(f"cannot read the manifest of {where} on rank 0: {fatal}")
+            blobs: dict[str, bytes] = {}
+            if manifest is not None:
+                problem, fatal = None, None
+                try:
+                    per_rank = manifest["world_size"] == world_size
+                    if not per_rank and strict_world_size:
+                        raise CheckpointError(
+                            f"{where} was written by {manifest['world_size']} ranks; this run "
+                            f"has {world_size}. Per-rank state (comm_state, extra) cannot be "
+                            f"mapped: resume with {manifest['world_size']} ranks, or "
+                            "load(strict_world_size=False) to restore only the model and "
+                            "optimizer"
+                        )
+                    for name, entry in self._needed(manifest, rank, per_rank).items():
+                        blobs[name] = self._read_verified(candidate, entry)
+                except _Incomplete as why:
+                    problem = f"{where}: {why}"
+                except Exception as e:
+                    fatal = e
+                verdicts = ranks.all_gather(
+                    (problem, None if fatal is None else f"{type(fatal).__name__}: {fatal}"),
+                    "the verdicts on a step",
+                )
+                if fatal is not None:
+                    raise fatal
+                fatal_elsewhere = [f"rank {r}: {f}" for r, (_, f) in enumerate(verdicts) if f]
+                if fatal_elsewhere:
+                    raise CheckpointError(
+                        f"checkpoint step {candidate} failed on other ranks: "
+                        + "; ".join(fatal_elsewhere)
+                    )
+                problems = sorted({p for p, _ in verdicts if p})
+                if not problems:
+                    if self._skipped:
+                        log.warning(
+                            "checkpoint: using step %d, skipping newer: %s",
+                            candidate,
+                            self._skipped,
+                        )
+                    return manifest, blobs
+                problem = "; ".join(problems)
+            log.warning("checkpoint: not using step %d: %s", candidate, problem)
+            self._skipped.append(str(problem))
         return None
+
+    def latest_step(self) -> int | None:
+        """Newest step whose manifest and files all verify (present, right size and sha256), or
+        None. In a distributed run call it on every rank (it is collective, and all ranks get the
+        same answer: each checks its own files). Alone, it checks every file of the step."""
+        dist = _dist()
+        if dist is None:
+            found = self._find(None, None, 0, strict_world_size=False)
+        else:
+            found = self._find(None, dist.get_rank(), dist.get_world_size(), False)
+        return None if found is None else found[0]["step"]
 
     def load(
         self,
@@ -624,86 +974,27 @@ class Checkpointer:
         Raises CheckpointNotFoundError when nothing complete is there.
         """
         rank, world_size = _rank_and_size(rank, world_size)
-        # All ranks must try the same steps in the same order: rank 0's listing decides.
-        candidates = _broadcast(sorted(self._steps(), reverse=True) if step is None else [step])
-        skipped: list[str] = []
-        for candidate in candidates:
-            state, problem, fatal = None, None, None
-            try:
-                state = self._load_step(
-                    candidate, rank, world_size, map_location, weights_only, strict_world_size
+        found = self._find(step, rank, world_size, strict_world_size)
+        if found is None:
+            skipped = "; ".join(self._skipped)
+            if step is not None:
+                raise CheckpointNotFoundError(
+                    f"checkpoint step {step} under {self.uri} cannot be loaded: {skipped}. "
+                    "Load another step, or step=None for the newest complete one"
                 )
-            except _Incomplete as why:
-                problem = f"{self._store.where(step_dir(candidate))}: {why}"
-            except Exception as e:
-                fatal = e
-            verdicts = _all_gather(
-                (problem, None if fatal is None else f"{type(fatal).__name__}: {fatal}")
-            )
-            if fatal is not None:
-                raise fatal
-            fatal_elsewhere = [f"rank {r}: {f}" for r, (_, f) in enumerate(verdicts) if f]
-            if fatal_elsewhere:
-                raise CheckpointError(
-                    f"loading checkpoint step {candidate} failed on other ranks: "
-                    + "; ".join(fatal_elsewhere)
-                )
-            problems = sorted({p for p, _ in verdicts if p})
-            if not problems:
-                if skipped:
-                    log.warning(
-                        "checkpoint: loaded step %d, skipping newer: %s", candidate, skipped
-                    )
-                return state  # type: ignore[return-value]
-            log.warning("checkpoint: not loading step %d: %s", candidate, "; ".join(problems))
-            skipped.extend(problems)
-        if step is not None:
+            detail = f" (skipped incomplete steps: {skipped})" if skipped else ""
             raise CheckpointNotFoundError(
-                f"checkpoint step {step} under {self.uri} cannot be loaded: {'; '.join(skipped)}. "
-                "Load another step, or step=None for the newest complete one"
+                f"no complete checkpoint under {self.uri}{detail}. Check the URI, or start from "
+                "scratch: call load() only when latest_step() is not None"
             )
-        detail = f" (skipped incomplete steps: {'; '.join(skipped)})" if skipped else ""
-        raise CheckpointNotFoundError(
-            f"no complete checkpoint under {self.uri}{detail}. Check the URI, or start from "
-            "scratch: call load() only when latest_step() is not None"
-        )
-
-    def _load_step(
-        self,
-        step: int,
-        rank: int,
-        world_size: int,
-        map_location: Any,
-        weights_only: bool,
-        strict_world_size: bool,
-    ) -> dict[str, Any]:
-        manifest = self._manifest(step)
-        folder = step_dir(step)
-        saved_size = int(manifest["world_size"])
-        per_rank = saved_size == world_size
-        if not per_rank and strict_world_size:
-            raise CheckpointError(
-                f"{self._store.where(folder)} was written by {saved_size} ranks; this run has "
-                f"{world_size}. Per-rank state (comm_state, extra) cannot be mapped: resume with "
-                f"{saved_size} ranks, or load(strict_world_size=False) to restore only the "
-                "model and optimizer"
-            )
-        files = manifest["files"]
+        manifest, blobs = found
+        folder = step_dir(manifest["step"])
 
         def read(name: str) -> Any:
-            if name not in files:
-                raise _Incomplete(f"the manifest lists no {name}")
-            entry = files[name]
+            if name not in blobs:
+                return None
             try:
-                data = self._store.get(f"{folder}/{name}")
-            except KeyError:
-                raise _Incomplete(f"{name} is missing") from None
-            if len(data) != entry["size"] or _sha256(data) != entry["sha256"]:
-                raise _Incomplete(f"{name} does not match its sha256 in the manifest (corrupt)")
-            try:
-                return torch.load(
-                    io.BytesIO(data), map_location=map_location, weights_only=weights_only
-                )
+                return _deserialize(blobs.pop(name), map_location, weights_only)
             except pickle.UnpicklingError as e:
                 raise CheckpointError(
                     f"{self._store.where(f'{folder}/{name}')} holds objects that "
@@ -711,13 +1002,13 @@ class Checkpointer:
                     "load(weights_only=False)"
                 ) from e
 
-        shard = read(rank_file(rank)) if per_rank else {"comm_state": None, "extra": None}
+        shard = read(rank_file(rank)) or {"comm_state": None, "extra": None}
         return {
-            "step": step,
-            "model": read(MODEL_FILE) if MODEL_FILE in files else None,
-            "optimizer": read(OPTIMIZER_FILE) if OPTIMIZER_FILE in files else None,
+            "step": manifest["step"],
+            "model": read(MODEL_FILE),
+            "optimizer": read(OPTIMIZER_FILE),
             "comm_state": shard["comm_state"],
             "extra": shard["extra"],
-            "world_size": saved_size,
+            "world_size": manifest["world_size"],
             "path": self._store.where(folder),
         }

@@ -1,15 +1,20 @@
 """Checkpoints: the same API tests on a local folder and on S3 (moto's server on loopback).
 
-What must hold: a round trip gives back the same bytes; a step without a manifest or with a file
-that does not match it is never loaded (the reader falls back or says why); keep_last deletes
-old steps only after the new one is committed; big files go up in parts; bad URIs and missing
-buckets fail at once with the path in the message; ranks that find different steps broken
-still agree on the one they load (2 real processes over gloo).
+What must hold: a round trip gives back the same bytes; a step without a manifest, with a
+manifest missing keys, or with a file that does not match it is never loaded nor reported by
+latest_step() (the reader falls back or says why); files are zstd frames and old uncompressed
+checkpoints still load; keep_last deletes old steps only after the new one is committed; big files
+go up in parts; bad URIs and missing buckets fail at once with the path in the message; ranks that
+find different steps broken still agree on the one they load; ranks of two regions each write to
+their region's bucket and resume from there; ranks that write to inconsistent places fail on every
+rank; a rank that never arrives, or a listing that fails on rank 0, is an error on every rank
+within the timeout (real processes over gloo).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import socket
@@ -21,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from distributed import run_ranks
 from support import assert_same, fake_aws_env
 from torch import nn
 
@@ -150,12 +156,86 @@ def test_layout_and_manifest(store: Store) -> None:
         f"{folder}/{n}" for n in ("manifest.json", "model.pt", "optimizer.pt")
     ] + [f"{folder}/{rank_file(0)}"]
     manifest = json.loads(store.get(f"{folder}/manifest.json"))
-    assert manifest["format"] == "cloudtrain.checkpoint" and manifest["version"] == 1
+    assert manifest["format"] == "cloudtrain.checkpoint" and manifest["version"] == 2
     assert manifest["step"] == 7 and manifest["world_size"] == 1
-    assert sorted(manifest["files"]) == ["model.pt", "optimizer.pt", "rank-00000.pt"]
-    for name, entry in manifest["files"].items():
-        data = store.get(f"{folder}/{name}")
-        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert manifest["ranks"] == [store.uri] and manifest["compression"] == "zstd"
+    entries = sorted(manifest["files"], key=lambda e: e["name"])
+    assert [e["name"] for e in entries] == ["model.pt", "optimizer.pt", "rank-00000.pt"]
+    for entry in entries:
+        data = store.get(f"{folder}/{entry['name']}")
+        assert data[:4] == b"\x28\xb5\x2f\xfd"  # a zstd frame; the hash is over these bytes
+        assert entry == {
+            "root": store.uri,
+            "name": entry["name"],
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+
+
+def test_uncompressed_and_old_checkpoints_load(store: Store) -> None:
+    """compression_level=None writes plain torch files; a version-1 checkpoint (uncompressed,
+    files as a name -> {size, sha256} map, as cloudtrain wrote them before) still loads."""
+    plain = store.checkpointer(compression_level=None)
+    _save(plain, 1, seed=1)
+    assert store.get(f"{step_dir(1)}/model.pt")[:2] == b"PK"  # torch's zip format
+    model, optimizer = _trained(seed=2)
+    files = {}
+    for name, obj in [
+        ("model.pt", model.state_dict()),
+        ("optimizer.pt", optimizer.state_dict()),
+        (rank_file(0), {"comm_state": {"seed": 2}, "extra": None}),
+    ]:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        store.put(f"{step_dir(2)}/{name}", buf.getvalue())
+        files[name] = {
+            "size": len(buf.getvalue()),
+            "sha256": hashlib.sha256(buf.getvalue()).hexdigest(),
+        }
+    v1 = {
+        "format": "cloudtrain.checkpoint",
+        "version": 1,
+        "step": 2,
+        "world_size": 1,
+        "files": files,
+    }
+    store.put(f"{step_dir(2)}/manifest.json", json.dumps(v1).encode())
+    ckpt = store.checkpointer()
+    assert ckpt.latest_step() == 2
+    state = ckpt.load()
+    assert state["comm_state"] == {"seed": 2}
+    assert_same(state["model"], model.state_dict(), "model")
+    assert_same(state["optimizer"], optimizer.state_dict(), "optimizer")
+    assert ckpt.load(step=1)["comm_state"] == {"seed": 1}
+    with pytest.raises(CheckpointError, match="compression_level=0"):
+        store.checkpointer(compression_level=0)
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        {"format": "cloudtrain.checkpoint", "version": 2, "step": 2},
+        {"format": "cloudtrain.checkpoint", "version": 2, "step": 2, "world_size": 1},
+        {"format": "cloudtrain.checkpoint", "version": 2, "step": 2, "world_size": 1,
+         "ranks": ["x"], "files": [{"name": "model.pt"}]},
+        {"format": "cloudtrain.checkpoint", "version": 1, "step": 2, "world_size": 1,
+         "files": {"model.pt": 5}},
+        {"format": "cloudtrain.checkpoint", "version": 2, "step": 2, "world_size": "one"},
+        {"format": "cloudtrain.checkpoint", "version": None, "step": 2},
+        ["a", "list"],
+        "a string",
+    ],
+)  # fmt: skip
+def test_manifest_missing_keys_is_skipped(store: Store, manifest, caplog) -> None:
+    ckpt = store.checkpointer()
+    _save(ckpt, 1, seed=1)
+    _save(ckpt, 2, seed=2)
+    store.put(f"{step_dir(2)}/manifest.json", json.dumps(manifest).encode())
+    assert ckpt.latest_step() == 1
+    assert ckpt.load()["comm_state"] == {"seed": 1}
+    assert "unreadable manifest.json" in caplog.text
+    with pytest.raises(CheckpointNotFoundError, match="unreadable manifest.json"):
+        ckpt.load(step=2)
 
 
 def test_resave_same_step(store: Store) -> None:
@@ -190,7 +270,7 @@ def test_corrupt_shard_is_never_loaded(store: Store, caplog) -> None:
     data[len(data) // 2] ^= 0xFF  # same size, different bytes
     store.put(key, bytes(data))
 
-    assert ckpt.latest_step() == 2  # sizes match: only the hash can tell
+    assert ckpt.latest_step() == 1  # sizes match: only the hash can tell
     state = ckpt.load()
     assert state["step"] == 1 and state["comm_state"] == {"seed": 1}
     assert "optimizer.pt does not match its sha256" in caplog.text
@@ -304,7 +384,8 @@ def test_multipart_upload(aws: str) -> None:
     client.create_bucket(Bucket="big")
     mib = 2**20
     s3 = S3Config(endpoint_url=aws, multipart_threshold=5 * mib, multipart_chunksize=5 * mib)
-    weights = {"w": torch.arange(3 * mib, dtype=torch.float32)}  # 12 MiB: 3 parts
+    random = torch.Generator().manual_seed(0)  # incompressible: 12 MiB, as a zstd frame too
+    weights = {"w": torch.randint(0, 256, (12 * mib,), dtype=torch.uint8, generator=random)}
     ckpt = Checkpointer("s3://big/run", s3=s3)
     ckpt.save(1, model=weights)
     etag = client.head_object(Bucket="big", Key=f"run/{step_dir(1)}/model.pt")["ETag"]
@@ -347,4 +428,193 @@ def test_ranks_agree_on_the_step_they_load(tmp_path) -> None:
     )
     manifest = json.loads((tmp_path / step_dir(2) / "manifest.json").read_text())
     assert manifest["world_size"] == 2
-    assert sorted(manifest["files"]) == ["model.pt", "rank-00000.pt", "rank-00001.pt"]
+    assert sorted(e["name"] for e in manifest["files"]) == [
+        "model.pt",
+        "rank-00000.pt",
+        "rank-00001.pt",
+    ]
+
+
+# ------------------------------------------------------------ regions, layout, collectives
+
+
+def _init_ranks() -> None:
+    from cloudtrain.bootstrap import init
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    init(backend="gloo")
+
+
+def _regions_worker(rank: int, world: int, template: str, moto: str, tmp: str) -> dict:
+    """Ranks 0, 1 in us-east-1, rank 2 in eu-west-1 (CLOUDTRAIN_REGION)."""
+    _init_ranks()
+    s3 = S3Config(endpoint_url=moto)
+    out: dict = {}
+    ckpt = Checkpointer(template, keep_last=1, s3=s3)
+    model, optimizer = _trained(seed=5)
+    for step in (1, 2):
+        ckpt.save(step, model=model, optimizer=optimizer, comm_state={"rank": rank, "step": step})
+    out["latest"] = ckpt.latest_step()
+    state = ckpt.load()
+    out["loaded"] = (state["step"], state["comm_state"], state["path"])
+    assert_same(state["model"], model.state_dict(), "model")
+    assert_same(state["optimizer"], optimizer.state_dict(), "optimizer")
+
+    def failure(ckpt: Checkpointer, **kw) -> str:
+        try:
+            ckpt.save(3, model=model, optimizer=optimizer, comm_state={}, **kw)
+        except CheckpointError as e:
+            return str(e)
+        return "saved"
+
+    # rank 1 (us-east-1) points at another bucket than rank 0, same region
+    other = "s3://ckpt-elsewhere/run" if rank == 1 else template
+    out["split_region"] = failure(Checkpointer(other, s3=s3))
+    # local folders that differ from rank to rank: no manifest can describe them
+    out["local"] = failure(Checkpointer(f"{tmp}/rank{rank}"))
+    # the first rank of eu-west-1 was not given the model rank 0 writes
+    try:
+        Checkpointer(template, s3=s3).save(
+            3, model=model if rank != 2 else None, optimizer=optimizer
+        )
+        out["no_model"] = "saved"
+    except CheckpointError as e:
+        out["no_model"] = str(e)
+    return out
+
+
+def test_two_regions_write_to_their_own_buckets_and_resume(aws: str, tmp_path) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=aws)
+    run = uuid.uuid4().hex[:8]
+    buckets = {region: f"ckpt-{run}-{region}" for region in ("us-east-1", "eu-west-1")}
+    for bucket in [*buckets.values(), "ckpt-elsewhere"]:
+        client.create_bucket(Bucket=bucket)
+    template = f"s3://ckpt-{run}-{{region}}/run"
+    env = fake_aws_env(aws, "S3")
+    regions = ["us-east-1", "us-east-1", "eu-west-1"]
+    results = run_ranks(
+        3,
+        _regions_worker,
+        template,
+        aws,
+        str(tmp_path),
+        env={r: {**env, "CLOUDTRAIN_REGION": regions[r]} for r in range(3)},
+        timeout=180,
+    )
+    for rank, out in enumerate(results):
+        root = f"s3://{buckets[regions[rank]]}/run"
+        assert out["latest"] == 2
+        assert out["loaded"] == (2, {"rank": rank, "step": 2}, f"{root}/{step_dir(2)}")
+        assert "ranks of region 'us-east-1' write to different places" in out["split_region"]
+        assert "s3://ckpt-elsewhere/run" in out["split_region"]
+        assert "never other hosts' local folders" in out["local"]
+        assert "rank 2 writes the model and optimizer to" in out["no_model"]
+
+    def keys(bucket: str) -> list[str]:
+        listed = client.list_objects_v2(Bucket=bucket).get("Contents", [])
+        return sorted(o["Key"] for o in listed)
+
+    # Each region's bucket holds its ranks' shards, its own model/optimizer copy and a copy of
+    # the manifest; keep_last=1 pruned step 1 in both; nothing of step 3 was committed.
+    us, eu = (keys(buckets[r]) for r in ("us-east-1", "eu-west-1"))
+    folder = f"run/{step_dir(2)}"
+    assert [k for k in us if folder in k] == [
+        f"{folder}/{n}"
+        for n in ("manifest.json", "model.pt", "optimizer.pt", rank_file(0), rank_file(1))
+    ]
+    assert [k for k in eu if folder in k] == [
+        f"{folder}/{n}" for n in ("manifest.json", "model.pt", "optimizer.pt", rank_file(2))
+    ]
+    assert not [k for k in us + eu if step_dir(1) in k]
+    assert not [k for k in us + eu if step_dir(3) in k and k.endswith("manifest.json")]
+    manifests = [
+        json.loads(client.get_object(Bucket=b, Key=f"{folder}/manifest.json")["Body"].read())
+        for b in buckets.values()
+    ]
+    assert manifests[0] == manifests[1]
+    roots = {r: f"s3://{b}/run" for r, b in buckets.items()}
+    assert manifests[0]["ranks"] == [roots[r] for r in regions]
+    # Any region finds the step alone, from its own bucket, and every file verifies.
+    for region in buckets:
+        alone = Checkpointer(template, region=region, s3=S3Config(endpoint_url=aws))
+        assert alone.latest_step() == 2
+        assert alone.load(rank=2, world_size=3)["comm_state"] == {"rank": 2, "step": 2}
+
+
+def _collectives_worker(rank: int, world: int, moto: str, bucket0: str, bucket1: str) -> dict:
+    import time
+
+    _init_ranks()
+    s3 = S3Config(endpoint_url=moto)
+    out: dict = {}
+    ckpt = Checkpointer({"a": f"s3://{bucket0}/run", "b": f"s3://{bucket1}/run"}, s3=s3)
+    ckpt.save(1, comm_state={"rank": rank})
+    if rank == 0:  # rank 0's store vanishes: only rank 0 lists, and every rank must hear of it
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=moto)
+        for key in client.list_objects_v2(Bucket=bucket0)["Contents"]:
+            client.delete_object(Bucket=bucket0, Key=key["Key"])
+        client.delete_bucket(Bucket=bucket0)
+    dist.barrier()
+    for name, call in (("load", ckpt.load), ("latest", ckpt.latest_step)):
+        try:
+            call()
+            out[name] = "no error"
+        except CheckpointError as e:
+            out[name] = str(e)
+    # A rank that never comes: save() on the others fails after CLOUDTRAIN_TIMEOUT (3 s here).
+    t0 = time.monotonic()
+    if rank == 0:
+        try:
+            Checkpointer(str(Path(os.environ["TMP_ROOT"]))).save(2)
+            out["timeout"] = "no error"
+        except CheckpointError as e:
+            out["timeout"] = str(e)
+    else:
+        time.sleep(8)
+    out["seconds"] = time.monotonic() - t0
+    return out
+
+
+def test_listing_error_and_timeout_reach_every_rank(aws: str, tmp_path) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=aws)
+    bucket0, bucket1 = (f"ckpt-{uuid.uuid4().hex[:12]}" for _ in range(2))
+    for bucket in (bucket0, bucket1):
+        client.create_bucket(Bucket=bucket)
+    env = {**fake_aws_env(aws, "S3"), "CLOUDTRAIN_TIMEOUT": "3", "TMP_ROOT": str(tmp_path)}
+    results = run_ranks(
+        2,
+        _collectives_worker,
+        aws,
+        bucket0,
+        bucket1,
+        env={0: {**env, "CLOUDTRAIN_REGION": "a"}, 1: {**env, "CLOUDTRAIN_REGION": "b"}},
+        timeout=120,
+    )
+    for out in results:
+        for name in ("load", "latest"):
+            assert f"cannot list the checkpoints on rank 0, under s3://{bucket0}/run" in out[name]
+            assert "NoSuchBucket" in out[name]
+    assert "did not reach the same call within 3 s (CLOUDTRAIN_TIMEOUT)" in results[0]["timeout"]
+    assert 2.5 < results[0]["seconds"] < 7, results[0]["seconds"]
+
+
+def test_region_templates(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("CLOUDTRAIN_REGION", raising=False)
+    monkeypatch.delenv("CLOUDTRAIN_HOST_REGIONS", raising=False)
+    with pytest.raises(CheckpointError, match=r"depends on the region.*CLOUDTRAIN_REGION"):
+        Checkpointer(str(tmp_path / "{region}"))
+    assert Checkpointer(str(tmp_path / "{region}"), region="eu-west-1").uri == str(
+        tmp_path / "eu-west-1"
+    )
+    monkeypatch.setenv("CLOUDTRAIN_REGION", "us-east-1")
+    assert Checkpointer(str(tmp_path / "ckpt-{region}")).uri == str(tmp_path / "ckpt-us-east-1")
+    by_region = {"us-east-1": str(tmp_path / "us"), "eu-west-1": str(tmp_path / "eu")}
+    assert Checkpointer(by_region).uri == str(tmp_path / "us")
+    with pytest.raises(CheckpointError, match=r"no checkpoint URI for region 'ap-south-1'"):
+        Checkpointer(by_region, region="ap-south-1")
