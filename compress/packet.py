@@ -109,6 +109,8 @@ class Expected:
     """(seed, step, bucket, sending rank) the packet must carry: another one is out of step."""
     zstd: bool = False
     """Whether the plan lets the sender zstd-compress the payload; if not, zstd is refused."""
+    dtype: torch.dtype | None = None
+    """The input's dtype (the bucket's), checked when given."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.numel, int) or isinstance(self.numel, bool) or self.numel < 0:
@@ -117,6 +119,8 @@ class Expected:
             raise TypeError(f"Expected.key: expected a RandomKey, got {type(self.key).__name__}")
         if not isinstance(self.zstd, bool):
             raise TypeError(f"Expected.zstd={self.zstd!r} must be True or False")
+        if self.dtype is not None:
+            dtype_code(self.dtype)
 
 
 def _padded(n: int) -> int:
@@ -285,6 +289,8 @@ def _check_expected(h: dict, codec: Codec, level: object, expect: Expected) -> N
             f"packet has level {level!r} of {codec.name!r}; expected {want_level!r}: ranks "
             "disagree on the plan"
         )
+    if expect.dtype is not None and h["dtype"] != expect.dtype:
+        raise PacketError(f"packet encodes {h['dtype']}; expected {expect.dtype}")
     if h["zstd"] and not expect.zstd:
         raise PacketError(
             "packet payload is zstd-compressed; expected no zstd: the plan did not ask for it"

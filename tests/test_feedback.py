@@ -149,3 +149,68 @@ def test_bad_input():
         ef.load_state_dict({"x": 1})
     empty = ef.encode("e", torch.empty(0), codec, 0.5)
     assert codec.decode(empty).numel() == 0
+
+
+@pytest.mark.parametrize("spec", [*SPECS, "none"])
+def test_padding_keeps_no_residual_and_the_rest_is_conserved(spec):
+    """A shard whose tail [valid:] is padding: after every encode the residual holds nothing
+    there, and over the valid part sum(decoded) + residual == sum(gradients)."""
+    codec, level = parse_spec(spec)
+    ef = ErrorFeedback()
+    n, valid = 3000, 2100
+    sent = torch.zeros(n, dtype=torch.float64)
+    came_in = torch.zeros(n, dtype=torch.float64)
+    for step, grad in enumerate(gradients(40, n, seed=3)):
+        grad[valid:] = 0  # padding carries no gradient, whatever the codec sends for it
+        packet = ef.encode(("b", 1), grad, codec, level, RandomKey(step=step), valid=valid)
+        assert not bool(ef.residuals[("b", 1)][valid:].any()), "the padding keeps no residual"
+        sent += codec.decode(packet).double()
+        came_in += grad.double()
+    residual = ef.residuals[("b", 1)].double()
+    scale = came_in.abs().max().item()
+    assert torch.allclose((sent + residual)[:valid], came_in[:valid], atol=1e-5 * scale, rtol=0)
+    if spec in ("quant:8", "quant:2", "sign"):  # these send something for the zeros too
+        assert bool(sent[valid:].any())
+
+
+def test_valid_at_or_beyond_the_end_and_zero():
+    codec = make_codec("quant")
+    ef = ErrorFeedback()
+    grad = torch.randn(100)
+    ef.encode("all", grad, codec, 8, valid=100)
+    ef.encode("beyond", grad, codec, 8, valid=150)
+    assert torch.equal(ef.residuals["all"], ef.residuals["beyond"])
+    assert bool(ef.residuals["all"].any())
+    ef.encode("none-valid", grad, codec, 8, valid=0)
+    assert not bool(ef.residuals["none-valid"].any())
+    with pytest.raises(TypeError, match="valid=1.5 must be an int"):
+        ef.encode("x", grad, codec, 8, valid=1.5)
+
+
+def test_take_and_put_move_residuals_and_nothing_else_writes_them():
+    codec = make_codec("topk")
+    ef = ErrorFeedback(dtype=torch.bfloat16)
+    ef.encode("b", torch.randn(1000), codec, 0.01)
+    held = ef.residuals["b"].clone()
+    taken = ef.take("b")
+    assert torch.equal(taken, held) and "b" not in ef.residuals
+    assert ef.take("b") is None
+    # put converts to the EF's dtype and copies: the caller's tensor is never written after
+    mine = torch.randn(10, 100)  # any shape: residuals are flat
+    ef.put("c", mine)
+    assert ef.residuals["c"].dtype == torch.bfloat16 and ef.residuals["c"].shape == (1000,)
+    before = mine.clone()
+    ef.encode("c", torch.randn(1000), codec, 0.01)
+    assert torch.equal(mine, before)
+    with pytest.raises(TypeError):
+        ef.residuals["d"] = torch.zeros(3)  # read-only: write through encode / take / put
+    with pytest.raises(TypeError, match="residual: expected a floating-point tensor"):
+        ef.put("d", torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="bucket 'c' held 1000 elements and now has 999"):
+        ef.encode("c", torch.randn(999), codec, 0.01)
+    # a put residual is what the next encode feeds back
+    ef2 = ErrorFeedback()
+    ef2.put("k", torch.full((50,), 2.0))
+    packet = ef2.encode("k", torch.zeros(50), make_codec("none"))
+    assert torch.equal(make_codec("none").decode(packet), torch.full((50,), 2.0))
+    assert not bool(ef2.residuals["k"].any())

@@ -103,7 +103,35 @@ def test_ef_topk_select(n, k_frac, sampled):
     expect = acc.clone()
     expect[idx] = 0
     assert torch.equal(r, expect), "residual keeps exactly what was not sent"
-    assert torch.equal(idx, ref.magnitude_topk(acc.abs(), k))
+    assert torch.equal(idx, topk_by_stable_sort(acc.abs(), k))
+
+
+def topk_by_stable_sort(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """The oracle of top-k selection, by another algorithm than the reference's: a stable sort
+    by descending magnitude keeps equal values in index order, so its first k are the k largest
+    with ties at the k-th value going to the lowest indices."""
+    return torch.sort(mag, descending=True, stable=True).indices[:k].sort().values
+
+
+@pytest.mark.parametrize("n", [1, 2, 10, 1000, 100_003])
+@pytest.mark.parametrize("k_frac", [0.0, 0.001, 0.1, 0.5, 1.0])
+@pytest.mark.parametrize(
+    "kind", ["random", "ties", "constant", "zeros", "sorted", "few-large"], ids=str
+)
+def test_magnitude_and_sampled_topk_match_a_stable_sort(n, k_frac, kind):
+    g = torch.Generator().manual_seed(n)
+    mag = {
+        "random": lambda: torch.rand(n, generator=g),
+        "ties": lambda: torch.randint(0, 5, (n,), generator=g).float(),
+        "constant": lambda: torch.full((n,), 0.5),
+        "zeros": lambda: torch.zeros(n),
+        "sorted": lambda: torch.linspace(0, 1, n),
+        "few-large": lambda: torch.cat([torch.zeros(n - n // 100), torch.rand(n // 100) + 1]),
+    }[kind]()
+    k = int(k_frac * n)
+    expect = topk_by_stable_sort(mag, k)
+    assert torch.equal(ref.magnitude_topk(mag, k), expect)
+    assert torch.equal(ref.sampled_topk(mag, k), expect)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
