@@ -10,6 +10,7 @@ import torch
 
 from cloudtrain.compress import (
     HEADER_NBYTES,
+    Expected,
     PacketError,
     RandomKey,
     from_wire,
@@ -156,3 +157,164 @@ def test_not_a_packet():
         from_wire(torch.zeros(200), codec)
     with pytest.raises(PacketError, match="bytes or a uint8 tensor"):
         from_wire("text", codec)
+
+
+# -- the receiver's plan: from_wire(..., expect=Expected(...)) ----------------------------------
+
+HEADER = struct.Struct("<4sBBBBIQQQII4dI8III")  # the wire format, restated: see packet.py
+
+
+def forge(wire: torch.Tensor | bytes, payload: bytes | None = None, **fields) -> bytes:
+    """A packet with some header fields (and the payload) replaced, and a valid CRC: what a
+    buggy or hostile sender could put on the wire."""
+    import zlib
+
+    data = bytes(wire.numpy().tobytes()) if isinstance(wire, torch.Tensor) else bytes(wire)
+    values = list(HEADER.unpack(data[:HEADER_NBYTES]))
+    names = ["magic", "version", "flags", "dtype", "nlevels", "codec_id", "numel", "seed", "step"]
+    names += ["bucket", "rank", "l0", "l1", "l2", "l3", "nparts"]
+    names += [f"size{i}" for i in range(8)] + ["payload_len", "crc"]
+    for name, value in fields.items():
+        values[names.index(name)] = value
+    body = data[HEADER_NBYTES:] if payload is None else payload
+    if payload is not None:
+        values[names.index("payload_len")] = len(body)
+    values[-1] = 0
+    head = HEADER.pack(*values)
+    crc = zlib.crc32(body, zlib.crc32(head[:-4]))
+    return HEADER.pack(*values[:-1], crc) + body
+
+
+def test_header_layout_is_as_documented():
+    assert HEADER.size == HEADER_NBYTES == 120
+    _, _, wire = encoded("quant:4")
+    assert forge(wire) == bytes(wire.numpy().tobytes())
+
+
+KEY = RandomKey(seed=11, step=22, bucket=33, rank=4)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_expected_packets_pass(spec):
+    codec, packet, wire = encoded(spec)
+    level = parse_spec(spec)[1]
+    back = from_wire(wire, codec, expect=Expected(20_000, level, KEY, dtype=torch.float32))
+    assert torch.equal(codec.decode(back), codec.decode(packet))
+    _, _, zipped = encoded(spec, zstd=3)
+    back = from_wire(zipped, codec, expect=Expected(20_000, level, KEY, zstd=True))
+    assert torch.equal(codec.decode(back), codec.decode(packet))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (
+            {"key": RandomKey(seed=11, step=23, bucket=33, rank=4)},
+            "packet is for step 22, bucket 33, sender 4; expected step 23, bucket 33, sender 4: "
+            "ranks are out of step",
+        ),
+        ({"key": RandomKey(seed=11, step=22, bucket=34, rank=4)}, "expected step 22, bucket 34"),
+        ({"key": RandomKey(seed=11, step=22, bucket=33, rank=5)}, "sender 4; expected .*sender 5"),
+        ({"key": RandomKey(seed=12, step=22, bucket=33, rank=4)}, "seed 11; expected 12"),
+        ({"numel": 20_001}, "holds 20000 elements; expected 20001"),
+        ({"level": (0.1, 0.1, 8)}, r"level \(0.1, 0.1, 4\) .*; expected \(0.1, 0.1, 8\)"),
+        ({"level": (0.2, 0.1, 4)}, "expected \\(0.2, 0.1, 4\\): ranks disagree on the plan"),
+        ({"dtype": torch.bfloat16}, "encodes torch.float32; expected torch.bfloat16"),
+    ],
+)
+def test_every_field_is_checked_against_the_plan(change, match):
+    spec = "randomk:0.1>topk:0.1>quant:4"
+    codec, _, wire = encoded(spec)
+    fields = {"numel": 20_000, "level": (0.1, 0.1, 4), "key": KEY, **change}
+    with pytest.raises(PacketError, match=match):
+        from_wire(wire, codec, expect=Expected(**fields))
+
+
+def test_zstd_only_where_the_plan_asked_for_it():
+    codec = make_codec("none")
+    packet = codec.encode(torch.zeros(10_000))
+    zipped = to_wire(packet, zstd_level=1)
+    with pytest.raises(PacketError, match="zstd-compressed; expected no zstd"):
+        from_wire(zipped, codec, expect=Expected(10_000, None, RandomKey()))
+    back = from_wire(zipped, codec, expect=Expected(10_000, None, RandomKey(), zstd=True))
+    assert torch.equal(codec.decode(back), torch.zeros(10_000))
+    # a plan with zstd accepts plain payloads too: the sender keeps zstd only where it shrinks
+    back = from_wire(to_wire(packet), codec, expect=Expected(10_000, None, RandomKey(), zstd=True))
+    assert torch.equal(codec.decode(back), torch.zeros(10_000))
+
+
+def test_bad_expected_values_are_caller_errors():
+    with pytest.raises(ValueError, match="Expected.numel=-1"):
+        Expected(-1, None, RandomKey())
+    with pytest.raises(TypeError, match="Expected.key: expected a RandomKey"):
+        Expected(10, None, (0, 0, 0, 0))
+    with pytest.raises(TypeError, match="Expected.zstd"):
+        Expected(10, None, RandomKey(), zstd=1)
+    codec, _, wire = encoded("quant:4")
+    with pytest.raises(ValueError, match="expect.level=3 does not fit"):
+        from_wire(wire, codec, expect=Expected(20_000, 3, KEY))
+
+
+def zstd_frame(declared: int | None, body: bytes = b"\x01\x00\x00") -> bytes:
+    """A zstd frame header (single segment, 8-byte content size) declaring `declared` bytes,
+    then `body` (default: one empty last raw block)."""
+    if declared is None:
+        return b"\x28\xb5\x2f\xfd" + b"\x00\x50" + body  # no content size, window descriptor
+    return b"\x28\xb5\x2f\xfd" + b"\xe0" + declared.to_bytes(8, "little") + body
+
+
+def test_hostile_headers_raise_packet_error_without_allocating():
+    """The attacks of issue 13 item 3, each refused before anything is allocated for it."""
+    none = make_codec("none")
+    _, _, small = encoded("none", n=64)
+    # a step that no RandomKey holds
+    with pytest.raises(PacketError, match="step 9223372036854775808 is not below 2\\*\\*63"):
+        from_wire(forge(small, step=2**63), none)
+    with pytest.raises(PacketError, match="seed .* is not below 2\\*\\*63"):
+        from_wire(forge(small, seed=2**64 - 1), none)
+    # a 16-byte frame that claims 1 TiB, in a header laid out for 1 GiB (2**28 fp32)
+    tib = zstd_frame(2**40)
+    assert len(tib) == 16
+    gib = dict(numel=2**28, size0=2**30, flags=1)
+    with pytest.raises(PacketError, match="declares 1099511627776 bytes; expected 1073741824"):
+        from_wire(forge(small, tib, **gib), none)
+    # the same frame claiming exactly the layout's 1 GiB: more than 16 bytes of zstd can hold
+    with pytest.raises(PacketError, match="zstd frame of 16 bytes declares 1073741824"):
+        from_wire(forge(small, zstd_frame(2**30), **gib), none)
+    # a header whose own part size claims 1 TiB does not fit the layout
+    with pytest.raises(PacketError, match="part sizes"):
+        from_wire(forge(small, tib, numel=2**38, flags=1), none)
+    # with the plan's numel, the size is refused before the frame is even read
+    with pytest.raises(PacketError, match="holds 268435456 elements; expected 64"):
+        from_wire(forge(small, tib, **gib), none, expect=Expected(64, None, KEY, zstd=True))
+    # a random-k packet of 136 bytes that claims 2**28 elements (decode would allocate 1 GiB)
+    randomk, density = make_codec("randomk"), 4 / 2**28
+    packet = randomk.encode(torch.ones(64), 4 / 64, KEY)
+    claim = forge(to_wire(packet), numel=2**28, l0=density)
+    assert len(claim) == 136 and from_wire(claim, randomk).numel == 2**28  # consistent...
+    with pytest.raises(PacketError, match="holds 268435456 elements; expected 64"):
+        from_wire(claim, randomk, expect=Expected(64, 4 / 64, KEY))  # ...but not the plan's
+
+
+def test_zstd_frames_must_state_their_exact_size_and_nothing_more():
+    import zstandard
+
+    codec = make_codec("none")
+    packet = codec.encode(torch.zeros(4096), None, KEY)
+    raw = to_wire(packet)[HEADER_NBYTES:].numpy().tobytes()
+    plain = to_wire(packet)
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(raw)
+    with pytest.raises(PacketError, match="zstd frame declares no size; expected 16384"):
+        from_wire(forge(plain, unsized, flags=1), codec)
+    framed = zstandard.ZstdCompressor().compress(raw)
+    with pytest.raises(PacketError, match="does not decompress"):
+        from_wire(forge(plain, framed + b"\x00" * 8, flags=1), codec)  # trailing bytes
+    with pytest.raises(PacketError, match="does not start with a zstd frame"):
+        from_wire(forge(plain, b"\x00" * 64, flags=1), codec)
+    with pytest.raises(PacketError, match="frame declares 8192 bytes; expected 16384"):
+        from_wire(forge(plain, zstandard.ZstdCompressor().compress(raw[:8192]), flags=1), codec)
+    with pytest.raises(PacketError, match="keeps zstd only where it shrinks"):
+        from_wire(forge(plain, raw, flags=1), codec)  # "compressed" but as large as raw
+    assert torch.equal(
+        codec.decode(from_wire(forge(plain, framed, flags=1), codec)), packet.parts[0]
+    )
