@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from .bootstrap import control_group
+
 log = logging.getLogger(__name__)
 
 IMDS_ENDPOINT_ENV = "CLOUDTRAIN_IMDS_ENDPOINT"
@@ -227,17 +229,25 @@ class PreemptionGuard:
     watcher: a SpotWatcher (or None: only request_stop() stops). check_every: agree every this
     many calls; each agreement is one tiny all-reduce, a round trip over the slowest link, and
     the two-minute warning leaves room for a few steps between checks. process_group: the group
-    to agree in (default: the world). Every rank must call should_stop() at the same points.
+    to agree in (default: cloudtrain's own gloo group of all ranks, whose collectives time out
+    after timeout_s - default CLOUDTRAIN_TIMEOUT - so a rank that died is reported, not waited
+    for). Every rank must call should_stop() at the same points.
     """
 
     def __init__(
-        self, watcher: SpotWatcher | None = None, *, check_every: int = 1, process_group: Any = None
+        self,
+        watcher: SpotWatcher | None = None,
+        *,
+        check_every: int = 1,
+        process_group: Any = None,
+        timeout_s: float | None = None,
     ) -> None:
         if check_every < 1:
             raise ValueError(f"PreemptionGuard(check_every={check_every}) must be at least 1")
         self.watcher = watcher
         self.check_every = check_every
         self.process_group = process_group
+        self.timeout_s = timeout_s
         self.stopped = False
         """True once the ranks have agreed to stop; should_stop() returns True from then on."""
         self._requested = False
@@ -262,10 +272,9 @@ class PreemptionGuard:
 
         flag = self.local_flag()
         if dist.is_available() and dist.is_initialized():
-            t = torch.tensor(
-                [int(flag)], dtype=torch.int32, device=_flag_device(self.process_group)
-            )
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+            group = self.process_group or control_group(self.timeout_s)
+            t = torch.tensor([int(flag)], dtype=torch.int32, device=_flag_device(group))
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             flag = bool(t.item())
         if flag:
             self.stopped = True

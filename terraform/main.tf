@@ -17,6 +17,8 @@ module "plan" {
   base_cidr            = var.base_cidr
   region_prefix_length = var.region_prefix_length
   training_ports       = var.training_ports
+
+  checkpoint_bucket_suffix = var.checkpoint_bucket_suffix
 }
 
 module "region" {
@@ -33,6 +35,7 @@ module "region" {
   slots             = each.value.slots
   spot              = each.value.spot
   root_volume_gb    = each.value.root_volume_gb
+  checkpoint_bucket = module.plan.checkpoint_buckets[each.key]
 
   peer_cidrs     = module.plan.cluster_cidrs
   training_ports = module.plan.training_ports

@@ -13,6 +13,11 @@ output "checkpoint_buckets" {
   value       = { for name, region in module.region : name => region.checkpoint_bucket }
 }
 
+output "checkpoint_uri" {
+  description = "Checkpoint URI template for cloudtrain: append /RUN and pass it to Checkpointer on every rank; {region} becomes the rank's region, so each rank writes to its own region's bucket."
+  value       = module.plan.checkpoint_uri
+}
+
 output "cluster_cidrs" {
   description = "VPC CIDR by region."
   value       = { for name, layout in module.plan.regions : name => layout.vpc_cidr }

@@ -68,6 +68,17 @@ variable "placement_strategy" {
   default     = "cluster"
 }
 
+variable "checkpoint_bucket_suffix" {
+  description = "Appended to every checkpoint bucket name (<cluster_name>-<region>-ckpt-<suffix>); bucket names are global, so make it yours (e.g. your account id). See modules/plan."
+  type        = string
+  default     = ""
+
+  validation {
+    condition     = can(regex("^([a-z0-9][a-z0-9-]{0,18}[a-z0-9]|[a-z0-9]?)$", var.checkpoint_bucket_suffix))
+    error_message = "checkpoint_bucket_suffix must be at most 20 lowercase letters, digits and hyphens, not starting or ending with a hyphen."
+  }
+}
+
 variable "force_destroy_checkpoints" {
   description = "Let `terraform destroy` delete the checkpoint buckets with their contents. false: copy or delete the checkpoints first."
   type        = bool

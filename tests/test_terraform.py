@@ -384,6 +384,18 @@ def test_checkpoint_bucket_private_encrypted_versioned() -> None:
     assert deny["effect"] == "Deny" and sub(deny, "condition")["variable"] == "aws:SecureTransport"
 
 
+def test_buckets_are_named_by_the_plan_that_cloudtrain_reads() -> None:
+    """The bucket of each region is the one modules/plan names (and tests/test_spot.py provisions
+    on moto): the checkpoint URI template in the outputs finds every region's bucket."""
+    bucket = module_blocks("region")[("aws_s3_bucket", "checkpoints")]
+    assert bucket["bucket"] == "${var.checkpoint_bucket}" and "bucket_prefix" not in bucket
+    root = {n: b for e in load_hcl(TERRAFORM / "main.tf")["module"] for n, b in e.items()}
+    assert root["region"]["checkpoint_bucket"] == "${module.plan.checkpoint_buckets[each.key]}"
+    assert root["plan"]["checkpoint_bucket_suffix"] == "${var.checkpoint_bucket_suffix}"
+    outputs = {n: b for e in load_hcl(TERRAFORM / "outputs.tf")["output"] for n, b in e.items()}
+    assert outputs["checkpoint_uri"]["value"] == "${module.plan.checkpoint_uri}"
+
+
 def test_host_role_limited_to_its_own_bucket() -> None:
     data = module_blocks("region", "data")
     statements = data[("aws_iam_policy_document", "checkpoints_access")]["statement"]

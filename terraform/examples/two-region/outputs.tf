@@ -12,3 +12,8 @@ output "checkpoint_buckets" {
   description = "Checkpoint bucket by region."
   value       = module.cluster.checkpoint_buckets
 }
+
+output "checkpoint_uri" {
+  description = "Checkpoint URI template: Checkpointer(\"<this>/run1\") on every rank writes to the rank's own region's bucket."
+  value       = module.cluster.checkpoint_uri
+}

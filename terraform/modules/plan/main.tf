@@ -1,7 +1,7 @@
 # plan: the layout of a multi-region training cluster, computed without any provider.
 #
 # Everything that can be decided before talking to AWS is decided here, so that `terraform test`
-# checks it offline (see tests/): each region's VPC CIDR, carved from base_cidr by the region's
+# checks it offline (see tests/): each region's checkpoint bucket name, each region's VPC CIDR, carved from base_cidr by the region's
 # index; the peer pairs of the full mesh, each unordered pair once; the ports the hosts open to each
 # other; and the hosts themselves, ordered by region name and then index. The root module calls
 # this module twice: once as `plan` to lay the cluster out, once as `inventory` with the launched
@@ -50,6 +50,12 @@ locals {
       }
     ]
   ])
+
+  # One checkpoint bucket per region, named so that one URI template finds each rank's:
+  # cloudtrain's Checkpointer("s3://<cluster>-{region}-ckpt[-suffix]/RUN") fills in the rank's region.
+  bucket_suffix       = var.checkpoint_bucket_suffix == "" ? "" : "-${var.checkpoint_bucket_suffix}"
+  checkpoint_buckets  = { for name in local.region_names : name => "${var.cluster_name}-${name}-ckpt${local.bucket_suffix}" }
+  checkpoint_uri_base = "s3://${var.cluster_name}-{region}-ckpt${local.bucket_suffix}"
 
   host_layout = flatten([
     for name in local.region_names : [

@@ -55,3 +55,18 @@ output "horovod_hosts" {
   description = "The horovodrun -H value, \"ip1:slots,ip2:slots\" over private IPs in host order; \"\" until instances is given."
   value       = length(var.instances) == 0 ? "" : join(",", [for h in local.hosts : "${h.private_ip}:${h.slots}"])
 }
+
+output "checkpoint_buckets" {
+  description = "The checkpoint bucket name of every region: <cluster_name>-<region>-ckpt[-checkpoint_bucket_suffix]."
+  value       = local.checkpoint_buckets
+
+  precondition {
+    condition     = alltrue([for b in values(local.checkpoint_buckets) : length(b) <= 63])
+    error_message = "A checkpoint bucket name would be longer than S3's 63 characters (${jsonencode(local.checkpoint_buckets)}): shorten cluster_name or checkpoint_bucket_suffix."
+  }
+}
+
+output "checkpoint_uri" {
+  description = "The checkpoint URI template for cloudtrain: s3://<cluster_name>-{region}-ckpt[-suffix]; append /RUN and pass it to Checkpointer, which fills {region} with each rank's region."
+  value       = local.checkpoint_uri_base
+}

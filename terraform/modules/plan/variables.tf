@@ -165,3 +165,15 @@ variable "instances" {
   }))
   default = {}
 }
+
+variable "checkpoint_bucket_suffix" {
+  description = "Appended to every checkpoint bucket name (<cluster_name>-<region>-ckpt[-suffix]): S3 bucket names are global, so use something of your own, e.g. your account id. Lowercase letters, digits and hyphens, at most 20."
+  type        = string
+  default     = ""
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^([a-z0-9][a-z0-9-]{0,18}[a-z0-9]|[a-z0-9]?)$", var.checkpoint_bucket_suffix))
+    error_message = "checkpoint_bucket_suffix must be at most 20 lowercase letters, digits and hyphens, not starting or ending with a hyphen."
+  }
+}

@@ -220,8 +220,8 @@ resource "aws_s3_bucket" "checkpoints" {
   #checkov:skip=CKV_AWS_18:Only this region's host role can reach the bucket (IAM policy, TLS-only bucket policy, public access blocked); access logs would need a second bucket per region that outlives the cluster.
   #checkov:skip=CKV2_AWS_62:Nothing consumes bucket events: readers find a complete checkpoint by its manifest, written last.
   region = var.region
-  # A prefix, not a name: bucket names are global, and the suffix keeps them unique.
-  bucket_prefix = "${local.name}-"
+  # The name modules/plan gives it, so that cloudtrain finds it from a {region} template.
+  bucket        = var.checkpoint_bucket
   force_destroy = var.force_destroy_bucket
 
   tags = merge(local.tags, { Name = "${local.name}-checkpoints" })

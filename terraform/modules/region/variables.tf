@@ -188,6 +188,16 @@ variable "placement_strategy" {
   }
 }
 
+variable "checkpoint_bucket" {
+  description = "Name of this region's checkpoint bucket (modules/plan's checkpoint_buckets): only this region's hosts may use it."
+  type        = string
+
+  validation {
+    condition     = can(regex("^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", var.checkpoint_bucket))
+    error_message = "checkpoint_bucket must be a valid S3 bucket name: 3-63 lowercase letters, digits, dots and hyphens."
+  }
+}
+
 variable "force_destroy_bucket" {
   description = "Let `terraform destroy` delete the checkpoint bucket with every checkpoint in it. false: destroy stops at a non-empty bucket."
   type        = bool

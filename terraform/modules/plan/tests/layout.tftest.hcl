@@ -179,3 +179,20 @@ run "default_ports_cover_ssh_rendezvous_and_ephemeral" {
     error_message = "operator_cidrs must pass through."
   }
 }
+
+run "one_checkpoint_bucket_per_region_behind_one_template" {
+  command = plan
+
+  variables {
+    checkpoint_bucket_suffix = "123456789012"
+  }
+
+  assert {
+    condition     = output.checkpoint_buckets["eu-west-1"] == "ctr-eu-west-1-ckpt-123456789012" && length(output.checkpoint_buckets) == 4
+    error_message = "Every region gets <cluster>-<region>-ckpt-<suffix>, got ${jsonencode(output.checkpoint_buckets)}"
+  }
+  assert {
+    condition     = alltrue([for r, b in output.checkpoint_buckets : replace(output.checkpoint_uri, "{region}", r) == "s3://${b}"])
+    error_message = "checkpoint_uri with {region} filled must name each region's bucket, got ${output.checkpoint_uri}"
+  }
+}

@@ -141,3 +141,13 @@ run "bad_cluster_name" {
   }
   expect_failures = [var.cluster_name]
 }
+
+run "bucket_suffix_must_be_a_bucket_name_part" {
+  command = plan
+
+  variables {
+    checkpoint_bucket_suffix = "Not_Valid"
+  }
+
+  expect_failures = [var.checkpoint_bucket_suffix]
+}
