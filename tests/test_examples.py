@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import skip_or_fail
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 BIN = Path(sys.executable).parent
@@ -73,7 +74,7 @@ def torchrun(script: str, *args: str) -> list[str]:
 
 def test_train_digits_under_horovodrun_compresses():
     if not HOROVODRUN.exists():
-        pytest.fail("horovodrun is missing: `make test` installs it with scripts/install-horovod")
+        skip_or_fail("horovod", "horovodrun is missing: `make install` builds it")
     steps = 60
     cmd = [str(HOROVODRUN), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable]
     cmd += [str(EXAMPLES / "train_digits.py"), "--config", "topk-1pct", "--regions", "per-rank"]

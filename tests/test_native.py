@@ -9,8 +9,10 @@ Grids are module-level (SIZES, DTYPES, RESIDUALS, DENSITIES, BITS, DEVICES). Ora
   residual then exact given the kernel's own scale;
 - for stochastic rounding: each code is floor(t) or floor(t) + 1, and the mean of many draws
   lies within a Hoeffding bound of the input (unbiased); the CUDA codes equal the CPU codes.
-CUDA runs where torch has CUDA and the CUDA kernels are built, and skips otherwise. Native tests
-skip when cloudtrain._C is not built; the wrapper and fallback tests run either way, the fallback
+CUDA runs where torch has a CUDA device and skips only where there is none: with a device, CUDA
+kernels that are not built fail the run (tests/conftest.py), as does an unloadable cloudtrain._C
+under CLOUDTRAIN_REQUIRE=native (make test); otherwise native tests skip when cloudtrain._C is
+not built. The wrapper and fallback tests run either way, the fallback
 also in a subprocess with CLOUDTRAIN_NO_NATIVE=1. Every csrc/cuda/*.cu is compiled with nvcc for
 sm_80 and sm_90 where nvcc exists (no GPU needed).
 
@@ -46,10 +48,8 @@ DEVICES = [
     "cpu",
     pytest.param(
         "cuda",
-        marks=pytest.mark.skipif(
-            not (torch.cuda.is_available() and ("ef_topk_select", "cuda") in ops.KERNELS),
-            reason="no CUDA device, or the CUDA kernels are not built",
-        ),
+        # A device without the kernels is not a skip: tests/conftest.py fails the run.
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
     ),
 ]
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
