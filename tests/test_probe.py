@@ -1,10 +1,16 @@
 """The prober on the real emulated WAN: it measures a tbf-shaped link to within 15% of its rate,
-and clustering on its measurements recovers the emulator's regions."""
+fits the emulated round-trip time to within 10%, and clustering on its measurements recovers the
+emulator's regions.
+
+Needs root and iproute2 (skips without them); with them the emulator must come up, else the test
+fails.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -14,10 +20,14 @@ import pytest
 from cloudtrain.tools import netem
 from cloudtrain.tools.netem import Emulator, teardown
 
-AVAILABLE, WHY = netem.available()
+MACHINE = (
+    sys.platform.startswith("linux")
+    and os.geteuid() == 0
+    and bool(shutil.which("ip") and shutil.which("tc"))
+)
 pytestmark = [
-    pytest.mark.skipif(not AVAILABLE, reason=f"WAN emulator unavailable: {WHY}"),
-    pytest.mark.timeout(180),
+    pytest.mark.skipif(not MACHINE, reason="the WAN emulator needs root and iproute2"),
+    pytest.mark.timeout(240),
 ]
 
 PROBE = """
@@ -35,9 +45,12 @@ dist.destroy_process_group()
 
 @pytest.fixture
 def wan_name():
+    ok, why = netem.available()
+    assert ok, f"root with iproute2 but the emulator reports itself unavailable: {why}"
     name = f"p{os.getpid() % 100000}-{uuid.uuid4().hex[:6]}"
     yield name
     teardown(name)
+    assert netem.leftovers(name) == []
 
 
 def run_probe(wan: Emulator) -> dict:
@@ -72,3 +85,32 @@ def test_clustering_on_measurements_recovers_the_regions(wan_name):
     cross = 8 * result["beta"][0][2] / 1e6
     inside = 8 * result["beta"][0][1] / 1e6
     assert inside > 5 * cross, (inside, cross)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cloudtrain.probe times header + payload + ack; gloo sends the payload only after the "
+    "receiver, which learns the size from the header, has announced its receive: 2 RTT, and a "
+    "cold connection in slow start. Needs the _measure change described in the netem report.",
+)
+def test_probe_command_fits_the_emulated_rtt_within_10_percent(wan_name):
+    """`cloudtrain probe --netem`: 80 ms between the regions, none inside one."""
+    up = [sys.executable, "-m", "cloudtrain.cli", "netem", "up", "--regions", "us:2,eu:2",
+          "--mbit", "100", "--rtt-ms", "80", "--name", wan_name]  # fmt: skip
+    res = subprocess.run(up, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    cmd = [sys.executable, "-m", "cloudtrain.cli", "probe", "--netem", wan_name, "--json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    assert result["emulated"]["emulation"] in (netem.DELAY_LINE, netem.DELAY_NETEM)
+    rtt = result["emulated"]["rtt_ms"]
+    fitted = [[1000 * a for a in row] for row in result["alpha_s"]]
+    print("fitted latency, ms:", [[round(a, 1) for a in row] for row in fitted])
+    for i in range(4):
+        for j in range(4):
+            if i // 2 != j // 2:
+                assert rtt[i][j] == 80
+                assert 72 <= fitted[i][j] <= 88, (i, j, fitted)
+            elif i != j:
+                assert rtt[i][j] == 0 and fitted[i][j] < 8, (i, j, fitted)

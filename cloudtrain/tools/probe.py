@@ -3,6 +3,9 @@
     cloudtrain probe                          # under torchrun / horovodrun: prints the matrix
     cloudtrain probe --netem NAME             # on every rank of a `cloudtrain netem` emulator
 
+With --netem the output also says what the emulator applies (rates, RTT between regions, how),
+so the measured latency can be read against the emulated round-trip time.
+
 The measurement itself is cloudtrain.probe (core); this module is only the command.
 """
 
@@ -68,8 +71,23 @@ def run(args: argparse.Namespace) -> int:
         for r in range(wan.world_size)
     ]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
-    print(outputs[0], end="")
-    return max(p.returncode for p in procs)
+    code = max(p.returncode for p in procs)
+    # What was emulated beside what was measured: the fitted latency should match the RTT.
+    emulated = {
+        "name": wan.name,
+        "emulation": wan.emulation,
+        "note": wan.emulation_note,
+        "rtt_ms": [
+            [wan.rtt_ms(i, j) for j in range(wan.world_size)] for i in range(wan.world_size)
+        ],
+    }
+    if args.json and code == 0:
+        report = json.loads(outputs[0].strip().splitlines()[-1])
+        print(json.dumps({**report, "emulated": emulated}))
+    else:
+        print(f"emulator {wan.name}: {wan.emulation} ({wan.emulation_note})")
+        print(outputs[0], end="")
+    return code
 
 
 if __name__ == "__main__":
