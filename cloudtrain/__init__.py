@@ -22,8 +22,9 @@ _EXPORTS = {
     "PRESETS": "config",
     "CloudDDP": "ddp",
     "ConfigMismatch": "ddp",
-    "ReplicaMismatch": "ddp",
+    "ReplicaMismatch": "hook",
     "CommError": "collectives",
+    "CommStats": "stats",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -16,12 +16,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 
-from .compress import Codec, parse_spec
+from .compress import Codec, feedback, parse_spec
 from .compress.codecs import NONFINITE, ROUNDINGS, CodecKind, make_codec
 
 AUTO = "auto"
@@ -41,7 +43,94 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 """Named configs. "cocktail" is CocktailSGD's random-k 10% -> top-k 10% of those -> 4-bit."""
 
-_RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+RESIDUAL_DTYPES = {str(d).removeprefix("torch."): d for d in feedback.RESIDUAL_DTYPES}
+"""Residual dtypes by name, as ErrorFeedback keeps them."""
+
+
+def _number(
+    name: str, value: Any, lo: float, hi: float, *, integer: bool = False, open_lo: bool = False
+) -> None:
+    """Raise ValueError unless value is a finite number (an int where `integer`) in [lo, hi]
+    ((lo, hi] with open_lo). bool is not a number here."""
+    kind = int if integer else (int, float)
+    ok = (
+        isinstance(value, kind)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > lo if open_lo else value >= lo)
+        and value <= hi
+    )
+    if not ok:
+        what = "an int" if integer else "a number"
+        lo_, hi_ = (int(lo), int(hi)) if integer else (lo, hi)
+        interval = f"({lo_:g}, {hi_:g}]" if open_lo else f"[{lo_:g}, {hi_:g}]"
+        raise ValueError(f"{name}={value!r} must be {what} in {interval}")
+
+
+LADDER: tuple[tuple[str, Any], ...] = (
+    ("none", None),
+    ("bf16", None),
+    ("quant", 8),
+    ("quant", 4),
+    ("topk-sampled>quant", (0.1, 8)),
+    ("topk-sampled>quant", (0.01, 8)),
+    ("topk-sampled>quant", (0.001, 8)),
+    ("topk-sampled>quant", (0.0001, 8)),
+)
+"""Rungs from no compression to the most; each is (codec name, level)."""
+
+
+@dataclass(frozen=True)
+class ControllerOptions:
+    hidden_fraction: float = 0.5
+    """Share of a step's compute time the cross-region exchange may take (it overlaps backward)."""
+    interval: int = 5
+    """Steps between decisions."""
+    patience: int = 2
+    """Decisions in a row a lighter rung must fit before compressing less."""
+    margin: float = 0.7
+    """A lighter rung 'fits with margin' when it needs at most this share of the budget."""
+    ewma: float = 0.5
+    """Weight of the newest bandwidth measurement."""
+    slack: float = 0.2
+    """When no rung fits: the lightest rung at most this share of a step's compute time slower
+    than the fastest rung (the time a step may give up for accuracy)."""
+    ladder: tuple[tuple[str, Any], ...] = LADDER
+    initial_compute_s: float = 0.1
+    """Compute time per step assumed until the first one is measured."""
+    tensorboard_dir: str | None = None
+    """Write metrics for TensorBoard here (needs the tensorboard package)."""
+
+    def __post_init__(self) -> None:
+        _number("hidden_fraction", self.hidden_fraction, 0, 10, open_lo=True)
+        _number("interval", self.interval, 1, 1e9, integer=True)
+        _number("patience", self.patience, 1, 1e9, integer=True)
+        _number("margin", self.margin, 0, 1, open_lo=True)
+        _number("ewma", self.ewma, 0, 1, open_lo=True)
+        _number("slack", self.slack, 0, 10)
+        _number("initial_compute_s", self.initial_compute_s, 0, 3600, open_lo=True)
+        if not isinstance(self.ladder, tuple) or not self.ladder:
+            raise ValueError("ladder: give at least one (codec, level) rung")
+        for name, level in self.ladder:
+            make_codec(name).check_level(level)  # raises for an unknown codec or a bad level
+        if self.tensorboard_dir is not None and not isinstance(self.tensorboard_dir, str):
+            raise ValueError(f"tensorboard_dir={self.tensorboard_dir!r} must be a path or None")
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> ControllerOptions:
+        """Options from a plain dict (e.g. read from JSON): unknown keys are an error."""
+        known = set(cls.__dataclass_fields__)
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(
+                f"unknown controller options {sorted(unknown)}; known: {sorted(known)}"
+            )
+        opts = dict(options)
+        if "ladder" in opts:
+            opts["ladder"] = tuple(
+                (name, tuple(lv) if isinstance(lv, list) else lv) for name, lv in opts["ladder"]
+            )
+        return cls(**opts)
 
 
 @dataclass(frozen=True)
@@ -84,8 +173,9 @@ class CompressionConfig:
     verify_every: int = 0
     """Every N steps check that all replicas' parameters agree bit for bit (0: never)."""
 
-    controller: dict = field(default_factory=dict)
-    """Options of the adaptive controller when codec is "auto" (see cloudtrain.controller)."""
+    controller: ControllerOptions | dict = field(default_factory=ControllerOptions)
+    """Options of the adaptive controller when codec is "auto": ControllerOptions, or a dict of
+    its fields (checked, and turned into ControllerOptions, when the config is made)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.codec, str) or not self.codec.strip():
@@ -102,12 +192,12 @@ class CompressionConfig:
             )
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"error_feedback={self.error_feedback!r} must be True or False")
-        if self.residual_dtype not in _RESIDUAL_DTYPES:
+        if self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(
-                f"residual_dtype={self.residual_dtype!r}; use one of {list(_RESIDUAL_DTYPES)}"
+                f"residual_dtype={self.residual_dtype!r}; use one of {list(RESIDUAL_DTYPES)}"
             )
-        if isinstance(self.regions, str) and "," in self.regions:
-            object.__setattr__(self, "regions", tuple(self.regions.split(",")))  # "us,us,eu,eu"
+        if isinstance(self.regions, str) and "," in self.regions:  # "us,us,eu,eu"
+            object.__setattr__(self, "regions", tuple(r.strip() for r in self.regions.split(",")))
         if isinstance(self.regions, str):
             if self.regions not in ("env", "probe", "per-rank"):
                 raise ValueError(
@@ -122,25 +212,27 @@ class CompressionConfig:
                     f"regions={self.regions!r}; use 'env', 'probe', 'per-rank' or a region name "
                     "per rank"
                 ) from None
-            if not regions or not all(isinstance(r, str) and r for r in regions):
-                raise ValueError("regions: give a non-empty region name for every rank")
+            if not regions or not all(isinstance(r, str) and r.strip() == r and r for r in regions):
+                raise ValueError(
+                    f"regions={self.regions!r}: give a non-empty region name, without spaces "
+                    "around it, for every rank"
+                )
             object.__setattr__(self, "regions", regions)
-        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ValueError(f"timeout_s={self.timeout_s!r} must be a positive number of seconds")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**63)")
-        if not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ValueError(f"group_size={self.group_size!r} must be a positive int")
+        _number("timeout_s", self.timeout_s, 0, 7 * 24 * 3600, open_lo=True)
+        _number("seed", self.seed, 0, 2**63 - 1, integer=True)
+        _number("group_size", self.group_size, 1, 2**31 - 1, integer=True)
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding={self.rounding!r}; use one of {ROUNDINGS}")
         if self.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite={self.nonfinite!r}; use one of {NONFINITE}")
-        if not isinstance(self.verify_every, int) or self.verify_every < 0:
+        _number("verify_every (0 turns it off)", self.verify_every, 0, 2**63 - 1, integer=True)
+        if isinstance(self.controller, dict):
+            object.__setattr__(self, "controller", ControllerOptions.from_dict(self.controller))
+        elif not isinstance(self.controller, ControllerOptions):
             raise ValueError(
-                f"verify_every={self.verify_every!r} must be an int >= 0 (0 turns it off)"
+                "controller: a ControllerOptions, or its fields as a dict, e.g. "
+                "{'hidden_fraction': 0.8}"
             )
-        if not isinstance(self.controller, dict):
-            raise ValueError("controller: options as a dict, e.g. {'hidden_fraction': 0.8}")
 
     @classmethod
     def resolve(
@@ -179,8 +271,13 @@ class CompressionConfig:
         return self.codec == CodecKind.NONE.value
 
     @property
+    def timeout(self) -> timedelta:
+        """timeout_s as the timedelta torch.distributed takes."""
+        return timedelta(seconds=self.timeout_s)
+
+    @property
     def residual_torch_dtype(self) -> torch.dtype:
-        return _RESIDUAL_DTYPES[self.residual_dtype]
+        return RESIDUAL_DTYPES[self.residual_dtype]
 
     def fingerprint(self) -> str:
         """What all ranks must agree on, as a short stable hash (timeouts may differ per rank)."""

@@ -29,99 +29,38 @@ The decision is made on rank 0 from everyone's observations (gathered) and broad
 rank uses the same plan - and so knows every packet's size. `plan_levels` is the pure function
 at its heart; the Controller class adds the measurements, the state (part of comm_state_dict)
 and the logging (each change is logged; metrics() feeds TensorBoard when it is installed).
+Its interface to the hook is narrow: `due(step)`, then `decide(step, observations, shard_numels)`
+-> Plan (cloudtrain.stats.Observations: what a rank measured; cloudtrain.plan.Plan).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .compress import ErrorFeedback, RandomKey, from_wire, make_codec, to_wire
+from .compress import ErrorFeedback, RandomKey, from_wire, to_wire
+from .config import CompressionConfig, ControllerOptions
+from .plan import Codecs, Plan, Rung
 from .probe import probe
+from .stats import Observations
+from .topology import Topology
 
 log = logging.getLogger("cloudtrain")
 
-LADDER: tuple[tuple[str, Any], ...] = (
-    ("none", None),
-    ("bf16", None),
-    ("quant", 8),
-    ("quant", 4),
-    ("topk-sampled>quant", (0.1, 8)),
-    ("topk-sampled>quant", (0.01, 8)),
-    ("topk-sampled>quant", (0.001, 8)),
-    ("topk-sampled>quant", (0.0001, 8)),
-)
-"""Rungs from no compression to the most; each is (codec name, level)."""
 
 MIN_BANDWIDTH = 1e3  # bytes/s: below 8 kbit/s a link is not a link
 MAX_BANDWIDTH = 1e12  # bytes/s: above 8 Tbit/s an estimate is not a measurement
 BURST_BYTES = 1 << 18
 """Shapers and policers are token buckets: messages smaller than this may pass at line rate, so
 they can show a link slower than thought, never one faster."""
-
-
-@dataclass(frozen=True)
-class ControllerOptions:
-    hidden_fraction: float = 0.5
-    """Share of a step's compute time the cross-region exchange may take (it overlaps backward)."""
-    interval: int = 5
-    """Steps between decisions."""
-    patience: int = 2
-    """Decisions in a row a lighter rung must fit before compressing less."""
-    margin: float = 0.7
-    """A lighter rung 'fits with margin' when it needs at most this share of the budget."""
-    ewma: float = 0.5
-    """Weight of the newest bandwidth measurement."""
-    slack: float = 0.2
-    """When no rung fits: the lightest rung at most this share of a step's compute time slower
-    than the fastest rung (the time a step may give up for accuracy)."""
-    ladder: tuple[tuple[str, Any], ...] = LADDER
-    initial_compute_s: float = 0.1
-    """Compute time per step assumed until the first one is measured."""
-    tensorboard_dir: str | None = None
-    """Write metrics for TensorBoard here (needs the tensorboard package)."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.hidden_fraction <= 10:
-            raise ValueError(f"hidden_fraction={self.hidden_fraction!r} must be in (0, 10]")
-        if not isinstance(self.interval, int) or self.interval < 1:
-            raise ValueError(f"interval={self.interval!r} must be an int >= 1 (steps)")
-        if not isinstance(self.patience, int) or self.patience < 1:
-            raise ValueError(f"patience={self.patience!r} must be an int >= 1")
-        if not 0 < self.margin <= 1:
-            raise ValueError(f"margin={self.margin!r} must be in (0, 1]")
-        if not 0 < self.ewma <= 1:
-            raise ValueError(f"ewma={self.ewma!r} must be in (0, 1]")
-        if not 0 <= self.slack <= 10:
-            raise ValueError(f"slack={self.slack!r} must be in [0, 10]")
-        if not self.initial_compute_s > 0:
-            raise ValueError(f"initial_compute_s={self.initial_compute_s!r} must be positive")
-        if not self.ladder:
-            raise ValueError("ladder: give at least one (codec, level) rung")
-        for name, level in self.ladder:
-            make_codec(name).check_level(level)  # raises for an unknown codec or a bad level
-
-    @classmethod
-    def from_dict(cls, options: dict[str, Any]) -> ControllerOptions:
-        known = set(cls.__dataclass_fields__)
-        unknown = set(options) - known
-        if unknown:
-            raise ValueError(
-                f"unknown controller options {sorted(unknown)}; known: {sorted(known)}"
-            )
-        opts = dict(options)
-        if "ladder" in opts:
-            opts["ladder"] = tuple(
-                (name, tuple(lv) if isinstance(lv, list) else lv) for name, lv in opts["ladder"]
-            )
-        return cls(**opts)
 
 
 @dataclass(frozen=True)
@@ -143,11 +82,16 @@ class LinkEstimate:
             raise ValueError(f"rtt={self.rtt!r} s is not a plausible round trip (0..60 s)")
 
 
-def rung_bytes(rung: tuple[str, Any], shard_numels: Sequence[int], receivers: int) -> int:
-    """Bytes a sender puts on its link per step at this rung: its packet for every bucket's
-    shard, once per receiving region."""
-    codec = make_codec(rung[0])
-    return receivers * sum(codec.nbytes(m, rung[1]) for m in shard_numels)
+def rung_bytes(
+    rung: Rung, shard_numels: Sequence[int], receivers: int, codecs: Codecs | None = None
+) -> int:
+    """Bytes a sender puts on its link per step at this rung (Codecs.step_nbytes), with the
+    codecs of the run's config (default: a default config's)."""
+    return (codecs or _default_codecs()).step_nbytes(rung, shard_numels, receivers)
+
+
+def _default_codecs() -> Codecs:
+    return Codecs(CompressionConfig())
 
 
 def plan_levels(
@@ -160,6 +104,7 @@ def plan_levels(
     cpu_seconds: Sequence[float] | None = None,
     extra_seconds: Sequence[float] | None = None,
     none_seconds: float | None = None,
+    codecs: Codecs | None = None,
 ) -> tuple[list[int], list[int], list[float]]:
     """Choose a ladder rung per sender region (pure function).
 
@@ -169,7 +114,7 @@ def plan_levels(
     encoding and decoding a step costs at each rung (see Controller.calibrate; default 0);
     extra_seconds: any other per-step cost of a rung (the dense reduction inside regions that
     only compressed rungs need); none_seconds: the measured time of the "none" rung, which then
-    replaces its estimate.
+    replaces its estimate; codecs: the run's (Codecs), so that bytes are what will be sent.
 
     A rung's time is bytes / bandwidth + its CPU and extra time; it fits when that is within the
     time the exchange can stay hidden, minus half a round trip per bucket. When no rung fits, the
@@ -194,7 +139,8 @@ def plan_levels(
     streak = list(streak) if streak is not None else [0] * regions
     if len(current) != regions or len(streak) != regions:
         raise ValueError("current and streak need one entry per region")
-    sizes = [rung_bytes(r, shard_numels, receivers) for r in ladder]
+    codecs = codecs or _default_codecs()
+    sizes = [codecs.step_nbytes(r, shard_numels, receivers) for r in ladder]
     allowed = options.hidden_fraction * compute_time
     slack = options.slack * compute_time
     uncompressed = ladder[0][0] == "none"
@@ -294,20 +240,6 @@ def passive_bandwidth(
     return measured
 
 
-@dataclass
-class _Observations:
-    """What this rank saw since the last decision."""
-
-    compute: list[float] = field(default_factory=list)
-    received: dict[int, list[tuple[int, float]]] = field(
-        default_factory=dict
-    )  # region -> (bytes, s)
-
-    def clear(self) -> None:
-        self.compute.clear()
-        self.received.clear()
-
-
 class Controller:
     """Plans levels for CloudDDP's "auto" config (module docstring)."""
 
@@ -316,10 +248,15 @@ class Controller:
     COMPRESSED_STAGES = ("intra_reduce", "encode", "exchange", "decode", "intra_gather")
 
     def __init__(
-        self, config: Any, topo: Any, shard_numels: Sequence[int], device: Any = "cpu"
+        self,
+        config: CompressionConfig,
+        topo: Topology,
+        codecs: Codecs,
+        shard_numels: Sequence[int],
+        device: Any = "cpu",
     ) -> None:
-        self.options = ControllerOptions.from_dict(config.controller)
-        self.config = config
+        self.options: ControllerOptions = config.controller
+        self.codecs = codecs
         self.topo = topo
         regions = len(topo.regions)
         self.bandwidth: list[float | None] = [None] * regions
@@ -327,12 +264,9 @@ class Controller:
         self.rungs = [0] * regions
         self.streak = [0] * regions
         self.compute_time: float | None = None
-        self.obs = _Observations()
         self.history: list[dict[str, Any]] = []
-        self._step_start: float | None = None
         self._writer = None
         self.cpu_per_element = self.calibrate(shard_numels, device)
-        self.seconds_seen: dict[str, float] = {}  # the comm thread's stage times, cumulative
         self.intra_s: float | None = None  # dense reduce + gather inside regions, per step
         self.allreduce_s: float | None = None  # a plain all-reduce's time per step, as measured
         self.allreduce_bw = 0.0  # the slowest link's bandwidth estimate when it was measured
@@ -360,7 +294,7 @@ class Controller:
                 if name == "none":
                     costs.append(0.0)
                     continue
-                codec = self.config.make_codec(name)
+                codec = self.codecs(name)
                 ef, best = ErrorFeedback(), math.inf
                 for rep in range(2):
                     t0 = time.perf_counter()
@@ -396,33 +330,30 @@ class Controller:
             shard_numels,
             options=self.options,
             cpu_seconds=self.cpu_seconds(shard_numels),
+            codecs=self.codecs,
         )
 
-    def step_started(self) -> None:
-        self._step_start = time.monotonic()
-
-    def compute_finished(self) -> None:
-        """Called when the step's last bucket is handed over: the step's compute is done."""
-        if self._step_start is not None:
-            self.obs.compute.append(time.monotonic() - self._step_start)
-
-    def received(self, region: int, nbytes: int, seconds: float) -> None:
-        if seconds > 0:
-            self.obs.received.setdefault(region, []).append((nbytes, seconds))
-
     # -- decisions (all ranks call, rank 0 decides) ----------------------------------------------
-    def initial_plan(self) -> Any:
-        from .ddp import Plan
-
+    def plan(self) -> Plan:
+        """The plan of the current rungs."""
         return Plan(tuple(self.options.ladder[r] for r in self.rungs))
 
-    def plan_for_step(self, step: int, state: Any) -> Any:
-        if step < self.FIRST_DECISION or (step - self.FIRST_DECISION) % self.options.interval:
-            return state.plan
+    def due(self, step: int) -> bool:
+        """Whether `step` starts with a decision (all ranks then call `decide`)."""
+        first = self.FIRST_DECISION
+        return step >= first and (step - first) % self.options.interval == 0
+
+    def decide(
+        self, step: int, seen: Observations, shard_numels: Sequence[int], wan_bytes_sent: int = 0
+    ) -> Plan:
+        """All ranks call, with what each saw since the last decision; rank 0 decides from all
+        of it and broadcasts, so every rank returns the same plan."""
         group = self.topo.group("control")
-        mine = {"compute": list(self.obs.compute), "received": dict(self.obs.received)}
-        mine["stage_seconds"] = self._stage_seconds(state)
-        self.obs.clear()
+        mine: dict[str, Any] = {
+            "compute": list(seen.compute_s),
+            "received": dict(seen.arrivals),
+            "stage_seconds": dict(seen.stage_s),
+        }
         if self.reprobe and self.topo.local_index == 0:
             # no packets crossed regions to time for a while (or too small ones): the region
             # leaders measure the links instead (briefly)
@@ -434,7 +365,7 @@ class Controller:
         dist.all_gather_object(gathered, mine, group=group)
         decision: list[Any] = [None]
         if self.topo.rank == 0:
-            decision[0] = self._decide(step, gathered, state)
+            decision[0] = self._decide(step, gathered, shard_numels)
         dist.broadcast_object_list(decision, src=0, group=group)
         rungs, streak, bandwidth, compute_time, self.reprobe, record = decision[0]
         changed = rungs != self.rungs
@@ -447,17 +378,8 @@ class Controller:
         self.history.append(record)
         if changed and self.topo.rank == 0:  # one line per change, not one per rank
             log.warning("cloudtrain: step %d: %s", step, record["text"])
-        self._write_metrics(step, record, state)
-        return self.initial_plan()
-
-    def _stage_seconds(self, state: Any) -> dict[str, float]:
-        """Seconds per step this rank's communication thread spent in each stage since the last
-        decision."""
-        now = dict(state.stats["seconds"])
-        steps = max(self.options.interval, 1)
-        spent = {k: (v - self.seconds_seen.get(k, 0.0)) / steps for k, v in now.items()}
-        self.seconds_seen = now
-        return spent
+        self._write_metrics(step, wan_bytes_sent)
+        return self.plan()
 
     def _intra_guess(self, shard_numels: Sequence[int]) -> float:
         """Seconds per step of the dense reduce-scatter and all-gather inside regions, from the
@@ -474,7 +396,7 @@ class Controller:
         """No region compresses: the exchange is one plain all-reduce."""
         return all(self.options.ladder[r][0] == "none" for r in self.rungs)
 
-    def _decide(self, step: int, gathered: list[Any], state: Any) -> tuple:
+    def _decide(self, step: int, gathered: list[Any], shard_numels: Sequence[int]) -> tuple:
         opts = self.options
         computes = sorted(c for g in gathered for c in g["compute"])
         compute_time = computes[len(computes) // 2] if computes else self.compute_time or 1.0
@@ -523,7 +445,6 @@ class Controller:
         # until then estimated from the probed links inside regions) and for what the model of
         # bytes and CPU leaves out (thread hand-offs, per-bucket latency): the difference between
         # a compressed interval's measured time and its model, smoothed
-        shard_numels = state.shard_numels()
         overhead = self.intra_s if self.intra_s is not None else self._intra_guess(shard_numels)
         links = [
             LinkEstimate(b if b is not None else MAX_BANDWIDTH, r)
@@ -533,7 +454,8 @@ class Controller:
         if compressed > 0 and not self.lossless:
             cpu, receivers = self.cpu_seconds(shard_numels), max(len(links) - 1, 1)
             model = overhead + max(
-                rung_bytes(opts.ladder[r], shard_numels, receivers) / link.bandwidth + cpu[r]
+                self.codecs.step_nbytes(opts.ladder[r], shard_numels, receivers) / link.bandwidth
+                + cpu[r]
                 for r, link in zip(self.rungs, links, strict=True)
             )
             unmodelled = max(compressed - model, 0.0)
@@ -554,6 +476,7 @@ class Controller:
             self.cpu_seconds(shard_numels),
             extra,
             self.allreduce_s,
+            self.codecs,
         )
         names = self.topo.regions
         text = (
@@ -604,7 +527,6 @@ class Controller:
         self.intra_s, self.allreduce_s = state["intra_s"], state["allreduce_s"]
         self.allreduce_bw, self.unmodelled_s = state["allreduce_bw"], state["unmodelled_s"]
         self.history = list(state["history"])
-        self.seconds_seen = {}  # the comm thread's stage times start again from zero
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -614,7 +536,7 @@ class Controller:
                 out[f"bandwidth_mbit/{name}"] = 8 * self.bandwidth[r] / 1e6
         return out
 
-    def _write_metrics(self, step: int, record: dict[str, Any], state: Any) -> None:
+    def _write_metrics(self, step: int, wan_bytes_sent: int) -> None:
         if self.options.tensorboard_dir is None or self.topo.rank != 0:
             return
         if self._writer is None:
@@ -622,14 +544,12 @@ class Controller:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 log.warning("cloudtrain: tensorboard is not installed; metrics go to the log only")
-                self.options = ControllerOptions(
-                    **{**self.options.__dict__, "tensorboard_dir": None}
-                )
+                self.options = dataclasses.replace(self.options, tensorboard_dir=None)
                 return
             self._writer = SummaryWriter(self.options.tensorboard_dir)
         for key, value in self.metrics().items():
             self._writer.add_scalar(key, value, step)
-        self._writer.add_scalar("wan_bytes_sent", state.stats["wan_bytes_sent"], step)
+        self._writer.add_scalar("wan_bytes_sent", wan_bytes_sent, step)
 
 
 def _describe(rung: tuple[str, Any]) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .bootstrap import control_group
 from .config import CompressionConfig
 from .probe import LinkMatrix, cluster_regions, probe
 
@@ -145,7 +146,7 @@ class Topology:
     def discover(cls, config: CompressionConfig, timeout: timedelta) -> Topology:
         """All ranks: agree on every rank's region and create the process groups."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        control = dist.new_group(list(range(world)), timeout=timeout, backend="gloo")
+        control = control_group(timeout.total_seconds())
         names: list[Any] = [None] * world
         dist.all_gather_object(names, local_region_name(config, rank, world), group=control)
         links = None

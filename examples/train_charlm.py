@@ -204,8 +204,8 @@ def main() -> None:
     progress.close()
 
     vloss = val_loss(net, val, args.block, args.batch, args.seed + 2)
-    comm = getattr(model, "comm", None)  # CloudDDP's; plain DDP has none
-    sent = torch.tensor([comm.stats["wan_bytes_sent"] if comm else 0], dtype=torch.int64)
+    cloud = isinstance(model, cloudtrain.CloudDDP)  # plain DDP counts nothing
+    sent = torch.tensor([model.stats().wan_bytes_sent if cloud else 0], dtype=torch.int64)
     dist.all_reduce(sent)  # bytes all ranks together sent to other regions
     if rank == 0:
         ms = 1000 * elapsed / max(args.steps, 1)
@@ -227,7 +227,7 @@ def main() -> None:
             "seed": args.seed,
             "params": sum(p.numel() for p in net.parameters()),
             "ms_per_step": ms,
-            "wan_bytes_sent": int(sent.item()) if comm else None,
+            "wan_bytes_sent": int(sent.item()) if cloud else None,
             "host": os.uname().nodename,
         }
         print("RESULT " + json.dumps(result), flush=True)

@@ -96,8 +96,8 @@ def main() -> None:
         logits = model.module(x_test)  # (n_test, 10)
         accuracy = (logits.argmax(1) == y_test).float().mean().item()
         test_loss = F.cross_entropy(logits, y_test).item()
-    comm = getattr(model, "comm", None)  # CloudDDP's; plain DDP has none
-    sent = torch.tensor([comm.stats["wan_bytes_sent"] if comm else 0], dtype=torch.int64)
+    cloud = isinstance(model, cloudtrain.CloudDDP)  # plain DDP counts nothing
+    sent = torch.tensor([model.stats().wan_bytes_sent if cloud else 0], dtype=torch.int64)
     dist.all_reduce(sent)  # bytes all ranks together sent to other regions
     if rank == 0:
         ms = 1000 * elapsed / max(args.steps, 1)
@@ -115,7 +115,7 @@ def main() -> None:
             "regions": None if args.config == "ddp" else args.regions,
             "seed": args.seed,
             "ms_per_step": ms,
-            "wan_bytes_sent": int(sent.item()) if comm else None,
+            "wan_bytes_sent": int(sent.item()) if cloud else None,
             "host": os.uname().nodename,
         }
         print("RESULT " + json.dumps(result), flush=True)

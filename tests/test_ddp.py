@@ -68,7 +68,7 @@ def _versus_ddp(rank, world, config, regions, bucket_cap_mb):
         for a, b in zip(plain.parameters(), cloud.parameters(), strict=True):
             exact &= torch.equal(a.grad, b.grad)
             worst = max(worst, (a.grad - b.grad).abs().max().item())
-    return exact, worst, cloud.comm.stats["buckets"]
+    return exact, worst, cloud.stats().buckets
 
 
 @pytest.mark.parametrize(
@@ -114,7 +114,7 @@ def _versus_reference(rank, world, config, regions, steps):
         loss_of(cloud, x, y).backward()
         shadow.zero_grad()
         loss_of(shadow, x, y).backward()
-        (layout,) = cloud.comm.layouts.values()
+        (layout,) = cloud.comm.layouts.layouts.values()
         n = sum(numel for _, _, numel in layout)
         shards = topo.shards
         m = -(-n // shards)
@@ -168,7 +168,7 @@ def _versus_reference(rank, world, config, regions, steps):
             for s, p in zip(shadow.parameters(), model.parameters(), strict=True):
                 s.copy_(p)
     cloud.verify_replicas()
-    return mismatches, params_of(model), len(cloud.comm.layouts)
+    return mismatches, params_of(model), len(cloud.comm.layouts.layouts)
 
 
 @pytest.mark.parametrize(
@@ -249,8 +249,8 @@ def _train_mode(rank, world, mode, config):
         params_of(model),
         cloud.comm.step,
         sync_steps,
-        cloud.comm.stats["buckets"],
-        cloud.comm.stats["wan_bytes_sent"],
+        cloud.stats().buckets,
+        cloud.stats().wan_bytes_sent,
     )
 
 
@@ -315,7 +315,7 @@ def _dies(rank, world, timeout_s):
         t0 = time.monotonic()
         try:
             loss_of(cloud, x, y).backward()
-        except RuntimeError as e:
+        except cloudtrain.CommError as e:  # the documented type, not a RuntimeError wrapping it
             return str(e), time.monotonic() - t0
     return None, 0.0
 
@@ -349,7 +349,7 @@ def _nonfinite(rank, world, mode):
         try:
             loss_of(cloud, x, y).backward()
             outcome.append(all(bool(torch.isfinite(p.grad).all()) for p in cloud.parameters()))
-        except RuntimeError as e:
+        except ValueError as e:  # raised from backward() as itself
             outcome.append(str(e))
             break
     residuals_finite = all(bool(torch.isfinite(r).all()) for r in cloud.comm.ef.residuals.values())
@@ -359,6 +359,57 @@ def _nonfinite(rank, world, mode):
 def test_nonfinite_gradient_raises_on_every_rank():
     for outcome, _ in run_ranks(2, _nonfinite, "raise", timeout=60):
         assert outcome[0] is True and "has NaN or Inf (raised on every rank)" in outcome[1]
+
+
+def _nonfinite_under_join(rank, world):
+    """Uneven inputs: ranks 2 and 3 run out after 3 steps and join; rank 0's gradient is NaN at
+    step 5. Every rank must raise the ValueError promptly - the joined ones too, which shadow the
+    buckets through the hook - instead of waiting out the process-group timeout."""
+    import cloudtrain
+
+    cloudtrain.init(timeout_s=60)
+    cloud = cloudtrain.CloudDDP(
+        make_model(), CompressionConfig.resolve("topk-1pct", regions="a,a,b,b", timeout_s=60)
+    )
+    steps = 8 if rank < 2 else 3
+    t0 = time.monotonic()
+    try:
+        with cloud.join():
+            for step in range(steps):
+                x, y = batch(rank, step)
+                if step == 5 and rank == 0:
+                    x[0, 0] = float("nan")
+                cloud.zero_grad()
+                loss_of(cloud, x, y).backward()
+    except ValueError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return None, "", time.monotonic() - t0
+
+
+def test_nonfinite_under_join_reaches_every_rank_as_itself():
+    for name, text, seconds in run_ranks(4, _nonfinite_under_join, timeout=120):
+        assert name == "ValueError" and "has NaN or Inf" in text
+        assert seconds < 30  # not the 60 s timeout
+
+
+def _verify_with_join(rank, world):
+    import cloudtrain
+
+    cloudtrain.init()
+    cloud = cloudtrain.CloudDDP(
+        make_model(), CompressionConfig.resolve("none", regions="per-rank", verify_every=5)
+    )
+    try:
+        with cloud.join():
+            pass
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_verify_every_with_join_is_refused_clearly():
+    for text in run_ranks(2, _verify_with_join, timeout=60):
+        assert text is not None and "verify_every=0" in text
 
 
 def test_nonfinite_pass_reaches_every_rank_and_spares_the_residual():
@@ -382,7 +433,7 @@ def _diverge(rank, world):
         x, y = batch(rank, step)
         try:
             loss_of(cloud, x, y).backward()
-        except RuntimeError as e:
+        except cloudtrain.ReplicaMismatch as e:
             return step, str(e)
     return None, ""
 
@@ -477,7 +528,7 @@ def _auto(rank, world, ladder, regions):
         opt.step()
     cloud.verify_replicas()
     history = cloud.comm.controller.history if cloud.comm.controller else []
-    return params_of(model), [h["levels"] for h in history], cloud.comm.stats["buckets"]
+    return params_of(model), [h["levels"] for h in history], cloud.stats().buckets
 
 
 @pytest.mark.parametrize(

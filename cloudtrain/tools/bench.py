@@ -160,8 +160,9 @@ def worker(args: argparse.Namespace) -> int:
         result: dict[str, Any] = {"step_times": step_times, "curve": curve, "loss": loss.item()}
         comm = getattr(ddp, "comm", None)
         if comm is not None:
-            result["wan_bytes_reported"] = comm.stats["wan_bytes_sent"]
-            seconds = comm.stats["seconds"].items()
+            stats = ddp.stats()
+            result["wan_bytes_reported"] = stats.wan_bytes_sent
+            seconds = stats.seconds.items()
             result["comm_ms_per_step"] = {k: 1000 * v / args.steps for k, v in seconds}
             if comm.controller is not None:
                 result["plans"] = [(h["step"], h["levels"]) for h in comm.controller.history]

@@ -139,7 +139,7 @@ def check_name(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Link profiles (DESIGN.md, "Measuring on one machine")
+# Link profiles (docs/design.md, "Emulating a WAN on one machine")
 
 
 @dataclass(frozen=True)

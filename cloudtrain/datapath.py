@@ -1,0 +1,236 @@
+"""The path of one gradient bucket across regions, as the steps a reader can follow in order.
+
+    shard = path.reduce_in_region(buf)         # 2. dense reduce-scatter: each of the region's
+                                               #    k ranks owns the region's sum of 1/k
+    summed = path.exchange(shard.mine, ...)    # 3. compress with error feedback, swap packets
+                                               #    with the same shard's owners in the other
+                                               #    regions, check, decode and sum them
+    path.gather_in_region(shard, summed)       # 4. dense all-gather of the summed shards
+
+(Step 1, scaling by 1/world as DDP does, is the hook's.) `reduce_bucket` chains them. Each step
+is its own method so a pipelined mode can start step 3 now and finish it steps later, and an
+outer loop (DiLoCo's pseudo-gradients) can call `exchange` on tensors that are no bucket at all.
+
+Invariants kept here: every owner of a shard decodes every packet - its own from the same bytes
+- and sums them in region order, so every rank gets the same bits; packet sizes come from the
+plan, never from local measurements; every packet is checked (`from_wire(..., expect=...)`)
+before anything it declares is believed or summed; every collective has a deadline
+(`collectives.finish`). Padding (a bucket that does not divide into shards) is not gradient:
+the error feedback keeps nothing for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .collectives import (
+    all_gather_single,
+    exchange_fixed,
+    exchange_sized,
+    finish,
+    reduce_scatter_single,
+)
+from .compress import ErrorFeedback, Expected, RandomKey, from_wire, to_wire
+from .plan import Codecs, Plan
+from .stats import CommStats, Observer
+from .topology import Topology
+
+
+@dataclass
+class Shard:
+    """A bucket cut into `topo.shards` pieces of m elements (the last padded with zeros), and
+    the region's sum of this rank's piece."""
+
+    padded: torch.Tensor
+    """(shards * m,) the bucket, padded; the region's reduction and the result land here."""
+    n: int
+    """Elements of the bucket (without padding)."""
+    m: int
+    """Elements of one shard."""
+    mine: torch.Tensor | None
+    """(m,) the region's sum of this rank's shard, or None when this rank owns no shard."""
+
+
+class CrossRegion:
+    """The data path's state across steps: topology, codecs, error feedback, counters."""
+
+    __slots__ = ("codecs", "config", "ef", "observer", "stats", "timeout", "topo")
+
+    def __init__(
+        self,
+        config: Any,
+        topo: Topology,
+        codecs: Codecs,
+        ef: ErrorFeedback | None,
+        stats: CommStats,
+        observer: Observer | None = None,
+    ) -> None:
+        self.config = config
+        self.topo = topo
+        self.codecs = codecs
+        self.ef = ef
+        self.stats = stats
+        self.observer = observer  # set: time every packet's arrival (the controller's estimate)
+        self.timeout = config.timeout
+
+    def reduce_bucket(
+        self, buf: torch.Tensor, plan: Plan, step: int, index: int, where: str
+    ) -> None:
+        """Steps 2-4 for bucket `index` (already scaled), in place."""
+        shard = self.reduce_in_region(buf, where)
+        summed = None
+        if shard.mine is not None:
+            summed = self.exchange(shard.mine, plan, step, index, shard.n, where)
+        self.gather_in_region(shard, summed, where)
+        if shard.padded is not buf:
+            buf.copy_(shard.padded[: shard.n])
+
+    # -- 2. inside the region -----------------------------------------------------------------
+    def reduce_in_region(self, buf: torch.Tensor, where: str) -> Shard:
+        topo = self.topo
+        n, shards = buf.numel(), topo.shards
+        m = -(-n // shards)
+        padded = buf if n == shards * m else torch.cat([buf, buf.new_zeros(shards * m - n)])
+        members = topo.members[topo.region]
+        group = topo.groups.get(f"region{topo.region}")
+        with self.stats.timed("intra_reduce"):
+            if len(members) == shards and shards > 1:
+                mine = buf.new_empty(m)
+                finish(
+                    "intra-region reduce-scatter",
+                    members,
+                    self.timeout,
+                    lambda: reduce_scatter_single(mine, padded, group=group, async_op=True),
+                    where,
+                )
+            elif len(members) > 1:  # a region larger than the smallest: reduce all, owners slice
+                finish(
+                    "intra-region all-reduce",
+                    members,
+                    self.timeout,
+                    lambda: dist.all_reduce(padded, group=group, async_op=True),
+                    where,
+                )
+                local = topo.local_index
+                mine = padded[local * m : (local + 1) * m] if topo.shard is not None else None
+            else:
+                mine = padded
+        return Shard(padded, n, m, mine)
+
+    # -- 3. across regions ----------------------------------------------------------------------
+    def exchange(
+        self, x: torch.Tensor, plan: Plan, step: int, index: int, n: int, where: str
+    ) -> torch.Tensor:
+        """This rank's shard `x` of bucket `index` (n elements in all): compress, swap, sum.
+        Returns the sum over regions, float32, on x's device."""
+        topo = self.topo
+        shard, m = topo.shard, x.numel()
+        bucket = index * topo.shards + shard  # names the packets: (seed, step, bucket, region)
+        wire = self.encode(x, plan, step, (index, shard), bucket, valid=n - shard * m)
+        with self.stats.timed("exchange"):
+            wires = self.swap(wire, plan, m, x.dtype, where)
+        with self.stats.timed("decode"):
+            return self.accumulate(wires, plan, step, bucket, m, x.device)
+
+    def encode(
+        self,
+        x: torch.Tensor,
+        plan: Plan,
+        step: int,
+        ef_key: Any,
+        bucket: int,
+        valid: int,
+    ) -> torch.Tensor:
+        """This region's packet for `x`, with error feedback (also at "none": what earlier
+        levels kept back goes out now). Elements from `valid` on are padding."""
+        me = self.topo.region
+        name, level = plan.senders[me]
+        codec = self.codecs(name)
+        key = RandomKey(self.config.seed, step, bucket, me)
+        with self.stats.timed("encode"):
+            if self.ef is not None:
+                packet = self.ef.encode(ef_key, x, codec, level, key, valid=valid)
+            else:
+                packet = codec.encode(x, level, key)
+            return to_wire(packet)
+
+    def swap(
+        self, wire: torch.Tensor, plan: Plan, m: int, dtype: torch.dtype, where: str
+    ) -> list[torch.Tensor]:
+        """Every region's packet for this shard, in region order (this rank's own included)."""
+        topo = self.topo
+        peers = topo.shard_owners(topo.shard)
+        group = topo.group(f"cross{topo.shard}")
+        self.stats.wan_bytes_sent += wire.numel() * (len(peers) - 1)
+        if plan.uniform and self.observer is None:
+            return exchange_fixed(wire, peers, group, self.timeout, where)
+        # per-sender sizes, known to all from the plan; arrivals timed for the controller
+        sizes = [self.codecs.wire_nbytes(rung, m, dtype) for rung in plan.senders]
+        timings: dict[int, float] | None = {} if self.observer is not None else None
+        wires = exchange_sized(wire, sizes, peers, topo.region, group, self.timeout, where, timings)
+        for region, seconds in (timings or {}).items():
+            self.observer.arrived(region, sizes[region], seconds)
+        return wires
+
+    def accumulate(
+        self,
+        wires: list[torch.Tensor],
+        plan: Plan,
+        step: int,
+        bucket: int,
+        m: int,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Check every packet against what the plan says it must be, decode, sum in region order."""
+        out = torch.zeros(m, dtype=torch.float32, device=device)
+        for region, data in enumerate(wires):
+            name, level = plan.senders[region]
+            codec = self.codecs(name)
+            expect = Expected(m, level, RandomKey(self.config.seed, step, bucket, region))
+            packet = from_wire(data, codec, expect=expect)
+            if device.type != "cpu":
+                parts = tuple(p.to(device, non_blocking=True) for p in packet.parts)
+                packet = dataclasses.replace(packet, parts=parts)
+            codec.accumulate([packet], out)
+        return out
+
+    # -- 4. inside the region -------------------------------------------------------------------
+    def gather_in_region(self, shard: Shard, summed: torch.Tensor | None, where: str) -> None:
+        """Every rank of the region gets every summed shard, in `shard.padded`."""
+        topo = self.topo
+        padded, m, shards = shard.padded, shard.m, topo.shards
+        members = topo.members[topo.region]
+        group = topo.groups.get(f"region{topo.region}")
+        if summed is not None:
+            summed = summed.to(padded.dtype)
+        with self.stats.timed("intra_gather"):
+            if len(members) == shards and shards > 1:
+                finish(
+                    "intra-region all-gather",
+                    members,
+                    self.timeout,
+                    lambda: all_gather_single(padded, summed, group=group, async_op=True),
+                    where,
+                )
+            elif len(members) > 1:
+                local = topo.local_index
+                if summed is not None:
+                    padded[local * m : (local + 1) * m] = summed
+                for j in range(shards):
+                    piece = padded[j * m : (j + 1) * m]
+                    finish(
+                        "intra-region broadcast",
+                        members,
+                        self.timeout,
+                        lambda piece=piece, j=j: dist.broadcast(
+                            piece, src=members[j], group=group, async_op=True
+                        ),
+                        where,
+                    )
+            else:
+                padded.copy_(summed)

@@ -1,0 +1,129 @@
+"""What CloudDDP counts and times: `CommStats` (public, `CloudDDP.stats()`) and `Observations`
+(what the controller is shown at each decision).
+
+`CommStats.wan_bytes_sent` counts every byte this rank sends to another region, whatever path
+the step took: the compressed packets (header included) and, for steps that cross as one plain
+all-reduce, this rank's share of the ring - gloo's ring all-reduce sends 2 (n-1)/n of the buffer
+to the next rank, so a rank whose successor is in another region sends that much across. Summed
+over ranks it is what the shaped links' interface counters show, less TCP/IP headers.
+
+`Observations` is one rank's measurements since the last decision: compute time of each step,
+the arrival time of every packet received from each region, and seconds per step of each stage.
+The controller gathers them from all ranks; it never reads the hook's state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+STAGES = ("allreduce", "intra_reduce", "encode", "exchange", "decode", "intra_gather")
+"""Stages of a bucket's path, as timed in CommStats.seconds."""
+
+
+@dataclass
+class CommStats:
+    """Counters of one rank's communication since the run started (resumes included)."""
+
+    steps: int = 0
+    """Optimizer steps whose gradients were reduced (no_sync steps are not counted)."""
+    buckets: int = 0
+    """Gradient buckets per step, as DDP hands them over."""
+    wan_bytes_sent: int = 0
+    """Bytes this rank sent to other regions, on every path (module docstring)."""
+    compressed_steps: int = 0
+    """Steps whose gradients crossed regions as packets (the rest: plain all-reduce)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in each stage (STAGES), this process only (not restored on resume)."""
+
+    def copy(self) -> CommStats:
+        return copy.deepcopy(self)
+
+    @contextlib.contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_seconds(stage, time.perf_counter() - t0)
+
+    def add_seconds(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "buckets": self.buckets,
+            "wan_bytes_sent": self.wan_bytes_sent,
+            "compressed_steps": self.compressed_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        self.buckets = int(state["buckets"])
+        self.wan_bytes_sent = int(state["wan_bytes_sent"])
+        self.compressed_steps = int(state.get("compressed_steps", 0))
+        self.seconds = {}
+
+
+def ring_wan_bytes(nbytes: int, rank: int, rank_regions: tuple[str, ...]) -> int:
+    """Bytes this rank sends across regions in a ring all-reduce of `nbytes` (module docstring)."""
+    n = len(rank_regions)
+    if n < 2 or rank_regions[(rank + 1) % n] == rank_regions[rank]:
+        return 0
+    return 2 * (n - 1) * nbytes // n
+
+
+@dataclass
+class Observations:
+    """One rank's measurements since the controller's last decision."""
+
+    compute_s: list[float] = field(default_factory=list)
+    """Seconds of compute (forward + backward until the last bucket) of each step."""
+    arrivals: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    """Sender region -> (packet bytes, seconds until it arrived) of each packet received."""
+    stage_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per step spent in each stage."""
+
+
+class Observer:
+    """Collects Observations on the training and communication threads."""
+
+    __slots__ = ("_current", "_seconds_seen", "_step_start", "_steps")
+
+    def __init__(self) -> None:
+        self._current = Observations()
+        self._step_start: float | None = None
+        self._seconds_seen: dict[str, float] = {}
+        self._steps = 0
+
+    def step_started(self) -> None:
+        """The previous step's communication is done: compute of the next one starts."""
+        self._step_start = time.monotonic()
+        self._steps += 1
+
+    def compute_finished(self) -> None:
+        """The step's last bucket was handed over: its compute is done."""
+        if self._step_start is not None:
+            self._current.compute_s.append(time.monotonic() - self._step_start)
+
+    def arrived(self, region: int, nbytes: int, seconds: float) -> None:
+        if seconds > 0:
+            self._current.arrivals.setdefault(region, []).append((nbytes, seconds))
+
+    def take(self, stats: CommStats) -> Observations:
+        """What was seen since the last call, with stage seconds per step from `stats`."""
+        seen, self._current = self._current, Observations()
+        steps = max(self._steps, 1)
+        now = dict(stats.seconds)
+        seen.stage_s = {k: (v - self._seconds_seen.get(k, 0.0)) / steps for k, v in now.items()}
+        self._seconds_seen, self._steps = now, 0
+        return seen
+
+    def reset(self) -> None:
+        """After a resume: stage times start again from zero."""
+        self._current, self._seconds_seen, self._steps = Observations(), {}, 0

@@ -1,0 +1,129 @@
+"""CompressionConfig and ControllerOptions: every option checked when the config is made."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cloudtrain import PRESETS, CompressionConfig
+from cloudtrain.config import LADDER, ControllerOptions
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_resolves(name: str) -> None:
+    config = CompressionConfig.resolve(name)
+    assert config == CompressionConfig.resolve(config)
+    assert len(config.fingerprint()) == 16
+
+
+def test_spec_gives_codec_and_level() -> None:
+    config = CompressionConfig.resolve("randomk:0.1>topk:0.1>quant:4")
+    assert config.codec == "randomk>topk>quant"
+    assert config.level == (0.1, 0.1, 4)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("timeout_s", math.inf, "timeout_s=inf"),
+        ("timeout_s", math.nan, "timeout_s=nan"),
+        ("timeout_s", 0, "timeout_s=0"),
+        ("timeout_s", True, "timeout_s=True"),
+        ("timeout_s", "60", "timeout_s='60'"),
+        ("seed", True, "seed=True"),
+        ("seed", -1, "seed=-1"),
+        ("seed", 2**63, "seed="),
+        ("seed", 1.5, "seed=1.5"),
+        ("group_size", 0, "group_size=0"),
+        ("group_size", False, "group_size=False"),
+        ("verify_every", -1, "verify_every"),
+        ("verify_every", 2.0, "verify_every"),
+        ("residual_dtype", "float16", "residual_dtype='float16'"),
+        ("rounding", "up", "rounding='up'"),
+        ("nonfinite", "ignore", "nonfinite='ignore'"),
+        ("error_feedback", 1, "error_feedback=1"),
+        ("regions", "moon", "regions='moon'"),
+        ("regions", ["us", ""], "region name"),
+        ("regions", [" us", "eu"], "region name"),
+        ("regions", 3, "regions=3"),
+        ("controller", 5, "controller"),
+        ("controller", {"speed": "fast"}, "unknown controller options"),
+        ("codec", "zip", "zip"),
+        ("codec", "", "codec="),
+    ],
+)
+def test_bad_values_are_named(field: str, value: object, words: str) -> None:
+    with pytest.raises(ValueError, match=None) as info:
+        CompressionConfig(**{field: value})
+    assert words in str(info.value), str(info.value)
+
+
+def test_level_is_checked_against_the_codec() -> None:
+    with pytest.raises(ValueError, match="level"):
+        CompressionConfig(codec="quant", level=3)
+    with pytest.raises(ValueError, match="controller picks levels"):
+        CompressionConfig(codec="auto", level=8)
+
+
+def test_regions_as_one_string_are_split_and_stripped() -> None:
+    assert CompressionConfig(regions="us, us ,eu,eu").regions == ("us", "us", "eu", "eu")
+    assert CompressionConfig(regions=["us", "eu"]).regions == ("us", "eu")
+
+
+def test_controller_options_are_typed_when_the_config_is_made() -> None:
+    config = CompressionConfig(controller={"interval": 3, "ladder": [["none", None], ["quant", 8]]})
+    assert isinstance(config.controller, ControllerOptions)
+    assert config.controller.interval == 3
+    assert config.controller.ladder == (("none", None), ("quant", 8))
+    assert CompressionConfig().controller.ladder == LADDER
+    # the same options either way: the same fingerprint on every rank
+    assert (
+        CompressionConfig(controller={"interval": 3}).fingerprint()
+        == CompressionConfig(controller=ControllerOptions(interval=3)).fingerprint()
+    )
+    assert (
+        CompressionConfig().fingerprint()
+        != CompressionConfig(controller={"interval": 3}).fingerprint()
+    )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"hidden_fraction": 0},
+        {"hidden_fraction": math.inf},
+        {"interval": 0},
+        {"interval": True},
+        {"patience": 1.5},
+        {"margin": 1.5},
+        {"ewma": 0},
+        {"slack": -1},
+        {"initial_compute_s": math.nan},
+        {"ladder": ()},
+        {"ladder": (("zip", None),)},
+        {"ladder": (("quant", 3),)},
+        {"tensorboard_dir": 3},
+    ],
+)
+def test_bad_controller_options(options: dict) -> None:
+    with pytest.raises(ValueError):
+        CompressionConfig(controller=options)
+
+
+def test_timeout_is_one_timedelta() -> None:
+    assert CompressionConfig(timeout_s=90).timeout.total_seconds() == 90
+
+
+def test_resolve_names_what_it_could_not_read() -> None:
+    with pytest.raises(ValueError, match="neither a preset"):
+        CompressionConfig.resolve("topk-2pct")
+    with pytest.raises(TypeError, match="preset name"):
+        CompressionConfig.resolve(3)  # type: ignore[arg-type]
+
+
+def test_timeout_differs_per_rank_without_changing_the_fingerprint() -> None:
+    assert (
+        CompressionConfig(timeout_s=10).fingerprint()
+        == CompressionConfig(timeout_s=20).fingerprint()
+    )

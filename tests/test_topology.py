@@ -1,0 +1,57 @@
+"""Topology: regions, shards and their owners (pure), and the groups on real processes."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import run_ranks
+
+from cloudtrain import CompressionConfig
+from cloudtrain.topology import Topology, local_region_name
+
+
+def test_regions_sorted_members_and_shards() -> None:
+    topo = Topology(rank=3, world_size=5, rank_regions=("us", "eu", "us", "eu", "us"))
+    assert topo.regions == ("eu", "us")
+    assert topo.members == ((1, 3), (0, 2, 4))
+    assert topo.shards == 2  # the smallest region's size
+    assert (topo.region, topo.local_index, topo.shard) == (0, 1, 1)
+    assert topo.shard_owners(0) == (1, 0)
+    assert topo.shard_owners(1) == (3, 2)
+    extra = Topology(rank=4, world_size=5, rank_regions=topo.rank_regions)
+    assert extra.shard is None  # a larger region's extra rank owns no shard
+    assert not topo.single_region
+    assert "2 region(s), 2 shard(s)" in topo.describe()
+
+
+def test_single_region() -> None:
+    topo = Topology(rank=0, world_size=2, rank_regions=("a", "a"))
+    assert topo.single_region and topo.shards == 2
+
+
+def test_local_region_name_from_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert local_region_name(CompressionConfig(regions="per-rank"), 2, 4) == "rank2"
+    assert local_region_name(CompressionConfig(regions="probe"), 2, 4) is None
+    assert local_region_name(CompressionConfig(regions="a,a,b,b"), 2, 4) == "b"
+    monkeypatch.setenv("CLOUDTRAIN_REGION", "eu-west-1")
+    assert local_region_name(CompressionConfig(regions="env"), 0, 4) == "eu-west-1"
+    with pytest.raises(ValueError, match="one region name per rank"):
+        local_region_name(CompressionConfig(regions="a,b"), 0, 4)
+
+
+def _discover(rank: int, world: int, regions: str) -> tuple:
+    import cloudtrain
+    from cloudtrain.topology import Topology
+
+    cloudtrain.init()
+    config = CompressionConfig(regions=regions, timeout_s=30)
+    topo = Topology.discover(config, config.timeout)
+    return topo.rank_regions, topo.region, topo.shard, sorted(topo.groups)
+
+
+def test_discover_agrees_on_every_rank_and_makes_the_groups() -> None:
+    results = run_ranks(3, _discover, "b,a,b")
+    for rank, (regions, region, shard, groups) in enumerate(results):
+        assert regions == ("b", "a", "b")
+        assert region == (0 if rank == 1 else 1)
+        assert shard == (None if rank == 2 else 0)
+        assert groups == ["control", "cross0", "dense", "leaders", "region0", "region1"]
