@@ -27,9 +27,11 @@ from .packet import (
     Expected,
     Packet,
     PacketError,
+    ZstdGain,
     from_wire,
     read_header,
     to_wire,
+    zstd_gain,
 )
 from .rng import RandomKey
 
@@ -44,6 +46,7 @@ __all__ = [
     "RandomKey",
     "Sparse",
     "Sparsifier",
+    "ZstdGain",
     "all_finite",
     "check_finite",
     "density_k",
@@ -55,4 +58,5 @@ __all__ = [
     "register_codec",
     "registered_codecs",
     "to_wire",
+    "zstd_gain",
 ]

@@ -3,6 +3,7 @@
     python -m cloudtrain.compress.bench [--sizes 1000000 25000000] [--json]
     python -m cloudtrain.compress.bench --sizes 25000000 --skip-codecs --json   # the ops only
     python -m cloudtrain.compress.bench --device cuda --sizes 100000000 --skip-codecs --json
+    python -m cloudtrain.compress.bench --skip-codecs --skip-ops --gradients grads.pt  # zstd only
 
 Codecs (CPU): encode, encode with error feedback, and decode throughput in GB/s of fp32 input,
 and the compression ratio (input bytes / wire bytes), with the baselines the numbers mean
@@ -17,7 +18,19 @@ the copy `dst.copy_(x)` of the same n fp32 elements measured in the same run:
 - `traffic_vs_copy` = (bytes the op must move / t(op)) / (8 n / t(copy)): its effective memory
   bandwidth as a fraction of the copy's (`traffic` says which bytes: reads + writes).
 `targets` lists the goals of the "Native kernels" issue with the measured value and whether it is
-met. Each figure is the median of several timed repetitions after a warm-up (CUDA: synchronised).
+met.
+
+zstd gain per codec (`zstd`): for each rung of the controller's ladder (LADDER) and zstd levels
+1 and 3, `packet.zstd_gain` on a sample gradient - the wire ratio without/with the zstd stage,
+its CPU cost in ns per byte (compress on the sender, decompress per receiver), and the link
+speed below which the stage pays (`pays_below_mbit`: saved link time = CPU time, one receiver).
+The sample is heavy-tailed synthetic noise, or real gradients saved with torch.save (a tensor, or
+a list or dict of tensors, flattened and joined) given with --gradients; e.g. the digits MLP's:
+
+    python -c "import torch; from cloudtrain.tools.data import digits, digits_mlp
+    x, y, *_ = digits(); m = digits_mlp(); torch.nn.functional.cross_entropy(m(x), y).backward()
+    torch.save([p.grad for p in m.parameters()], 'grads.pt')"
+ Each figure is the median of several timed repetitions after a warm-up (CUDA: synchronised).
 Machines are shared and noisy: compare ratios within one run, not across runs.
 """
 
@@ -35,6 +48,7 @@ import torch
 from . import ops, reference
 from .codecs import parse_spec
 from .feedback import ErrorFeedback
+from .packet import zstd_gain
 from .rng import RandomKey
 
 CASES = [
@@ -47,12 +61,23 @@ CASES = [
     "sign",
     "topk:0.01",
     "topk:0.001",
-    "topk-sampled:0.01",
-    "topk-sampled:0.001",
     "randomk:0.01",
     "topk:0.01>quant:8",
     "randomk:0.1>topk:0.1>quant:4",
 ]
+
+
+# The controller's ladder (cloudtrain/controller.py), as specs: where zstd might be switched on.
+LADDER = [
+    "none",
+    "bf16",
+    "quant:8",
+    "quant:4",
+    "topk:0.1>quant:8",
+    "topk:0.01>quant:8",
+    "topk:0.001>quant:8",
+]
+ZSTD_LEVELS = (1, 3)
 
 
 def timeit(fn: Callable[[], object], min_reps: int = 3, budget_s: float = 1.0) -> float:
@@ -108,6 +133,40 @@ def bench_size(n: int, cases: list[str], budget_s: float) -> list[dict]:
                 "ratio": nbytes / codec.nbytes(n, level),
             }
         )
+    return rows
+
+
+def load_gradients(path: str) -> torch.Tensor:
+    """A tensor, or a list / dict of tensors, saved with torch.save: one flat fp32 tensor."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(saved, dict):
+        saved = list(saved.values())
+    tensors = saved if isinstance(saved, (list, tuple)) else [saved]
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ValueError(f"{path}: expected a tensor or a list or dict of tensors")
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def bench_zstd(sample: torch.Tensor, cases: list[str], repeats: int = 5) -> list[dict]:
+    """zstd gain per codec and zstd level on `sample` (see the module docstring)."""
+    rows = []
+    for spec in cases:
+        codec, level = parse_spec(spec)
+        for zstd_level in ZSTD_LEVELS:
+            gain = zstd_gain(codec, level, sample, zstd_level, repeats=repeats)
+            cpu = gain.encode_s_per_byte + gain.decode_s_per_byte
+            saved = 1 - 1 / gain.ratio  # link seconds saved per byte, times the bandwidth
+            rows.append(
+                {
+                    "n": sample.numel(),
+                    "case": spec,
+                    "zstd_level": zstd_level,
+                    "ratio": gain.ratio,
+                    "encode_ns_per_byte": gain.encode_s_per_byte * 1e9,
+                    "decode_ns_per_byte": gain.decode_s_per_byte * 1e9,
+                    "pays_below_mbit": saved / cpu * 8 / 1e6 if cpu > 0 else 0.0,
+                }
+            )
     return rows
 
 
@@ -252,12 +311,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="device of the ops benchmark (cpu, cuda)")
     parser.add_argument("--skip-codecs", action="store_true", help="only the native ops")
     parser.add_argument("--skip-ops", action="store_true", help="only the codecs")
+    parser.add_argument("--skip-zstd", action="store_true", help="no zstd gain table")
+    parser.add_argument(
+        "--gradients",
+        help="torch.save'd gradients (tensor, list or dict) for the zstd table; default: synthetic",
+    )
     parser.add_argument(
         "--json", action="store_true", help="print one JSON document instead of a table"
     )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    rows, op_rows, targets = [], [], []
+    rows, op_rows, targets, zstd_rows = [], [], [], []
+    if not args.skip_zstd:
+        if args.gradients:
+            sample = load_gradients(args.gradients)
+        else:
+            n = min(args.sizes)
+            g = torch.Generator().manual_seed(0)
+            sample = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 3
+        zstd_rows = bench_zstd(sample, LADDER)
     for n in args.sizes:
         if not args.skip_codecs:
             rows += bench_size(n, args.cases, args.budget)
@@ -276,6 +348,8 @@ def main(argv: list[str] | None = None) -> None:
         "rows": rows,
         "ops": op_rows,
         "targets": targets,
+        "zstd": zstd_rows,
+        "zstd_sample": args.gradients or "synthetic heavy-tailed",
     }
     if args.json:
         print(json.dumps(report, indent=1))
@@ -308,6 +382,18 @@ def main(argv: list[str] | None = None) -> None:
     for t in targets:
         value = "n/a" if t["value"] is None else f"{t['value']:.2f}"
         print(f"target: {t['target']}: {value} ({'met' if t['met'] else 'NOT met'})")
+    if zstd_rows:
+        print(f"\nzstd gain per codec ({report['zstd_sample']}, {zstd_rows[0]['n']} elements)")
+        print(
+            f"{'case':24} {'zstd':>4} {'ratio':>7} {'enc ns/B':>9} {'dec ns/B':>9} "
+            f"{'pays below Mbit/s':>18}"
+        )
+    for r in zstd_rows:
+        print(
+            f"{r['case']:24} {r['zstd_level']:>4} {r['ratio']:7.3f} "
+            f"{r['encode_ns_per_byte']:9.2f} {r['decode_ns_per_byte']:9.2f} "
+            f"{r['pays_below_mbit']:18.1f}"
+        )
 
 
 if __name__ == "__main__":

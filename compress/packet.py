@@ -146,6 +146,27 @@ def _crc(header: bytes, payload: torch.Tensor) -> int:
     return zlib.crc32(payload.numpy().data, zlib.crc32(header[:-4]))
 
 
+def _payload(parts: tuple[torch.Tensor, ...], raw_sizes: list[int]) -> torch.Tensor:
+    """The parts' bytes, each padded to ALIGN, as one uint8 tensor on the CPU."""
+    payload = torch.zeros(sum(_padded(s) for s in raw_sizes), dtype=torch.uint8)
+    offset = 0
+    for part, size in zip(parts, raw_sizes, strict=True):
+        payload[offset : offset + size] = (
+            part.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        )
+        offset += _padded(size)
+    return payload
+
+
+def _zstd(payload: torch.Tensor, zstd_level: int) -> bytes:
+    """One zstd frame that states its content size (from_wire requires it)."""
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=zstd_level, write_content_size=True).compress(
+        payload.numpy().data
+    )
+
+
 def to_wire(packet: Packet, zstd_level: int | None = None) -> torch.Tensor:
     """Packet -> uint8 tensor (header + payload). With zstd_level set, the payload is
     zstd-compressed if (and only if) that makes it smaller."""
@@ -153,18 +174,10 @@ def to_wire(packet: Packet, zstd_level: int | None = None) -> torch.Tensor:
     if len(packet.parts) > MAX_PARTS or len(levels) > MAX_LEVELS:
         raise ValueError(f"a packet holds at most {MAX_PARTS} parts and {MAX_LEVELS} levels")
     raw_sizes = [p.numel() * p.element_size() for p in packet.parts]
-    payload = torch.zeros(sum(_padded(s) for s in raw_sizes), dtype=torch.uint8)
-    offset = 0
-    for part, size in zip(packet.parts, raw_sizes, strict=True):
-        payload[offset : offset + size] = (
-            part.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        )
-        offset += _padded(size)
+    payload = _payload(packet.parts, raw_sizes)
     flags = 0
     if zstd_level is not None and payload.numel() > 0:
-        import zstandard
-
-        packed = zstandard.ZstdCompressor(level=zstd_level).compress(payload.numpy().data)
+        packed = _zstd(payload, zstd_level)
         if len(packed) < payload.numel():
             payload = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
             flags |= _FLAG_ZSTD
@@ -384,3 +397,62 @@ def from_wire(
         parts.append(payload[offset : offset + size].view(dtype))
         offset += _padded(size)
     return Packet(codec, level, h["numel"], h["dtype"], h["key"], tuple(parts))
+
+
+# ---------------------------------------------------------------------------------------------
+# what the zstd stage gains
+
+
+@dataclass(frozen=True)
+class ZstdGain:
+    """The zstd stage measured on one codec's packets. Per-byte figures are per byte of the
+    packet without zstd (`codec.nbytes`, what the plan knows before encoding)."""
+
+    ratio: float
+    """Wire bytes without zstd / with zstd (>= 1: the stage is skipped where it does not shrink)."""
+    encode_s_per_byte: float
+    """CPU seconds the sender spends compressing, per byte."""
+    decode_s_per_byte: float
+    """CPU seconds a receiver spends decompressing, per byte."""
+
+    def net_seconds_per_byte(self, bandwidth: float, receivers: int = 1) -> float:
+        """Link seconds the stage saves minus CPU seconds it costs, per byte sent over a link of
+        `bandwidth` bytes/s to `receivers` decoders. Positive: zstd pays on this link."""
+        saved = (1 - 1 / self.ratio) / bandwidth
+        return saved - self.encode_s_per_byte - receivers * self.decode_s_per_byte
+
+
+def zstd_gain(
+    codec: Codec,
+    level: object,
+    sample: torch.Tensor,
+    zstd_level: int = 1,
+    *,
+    key: RandomKey | None = None,
+    repeats: int = 3,
+) -> ZstdGain:
+    """Encode `sample` (e.g. a real gradient) with codec at level, then time the zstd stage on
+    that packet: the ratio it gets and its CPU cost per byte (best of `repeats`), so a caller can
+    turn the stage on for a link where `net_seconds_per_byte` is positive."""
+    import time
+
+    import zstandard
+
+    packet = codec.encode(sample, level, key or RandomKey())
+    raw_sizes = [p.numel() * p.element_size() for p in packet.parts]
+    payload = _payload(packet.parts, raw_sizes)
+    plain = HEADER_NBYTES + payload.numel()
+    if payload.numel() == 0:
+        return ZstdGain(1.0, 0.0, 0.0)
+    encode_s = decode_s = float("inf")
+    packed = b""
+    decompressor = zstandard.ZstdDecompressor()
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        packed = _zstd(payload, zstd_level)
+        t1 = time.perf_counter()
+        decompressor.decompress(packed, max_output_size=payload.numel())
+        t2 = time.perf_counter()
+        encode_s, decode_s = min(encode_s, t1 - t0), min(decode_s, t2 - t1)
+    zipped = HEADER_NBYTES + min(len(packed), payload.numel())
+    return ZstdGain(plain / zipped, encode_s / plain, decode_s / plain)

@@ -18,6 +18,7 @@ from cloudtrain.compress import (
     parse_spec,
     read_header,
     to_wire,
+    zstd_gain,
 )
 from cloudtrain.compress.packet import FORMAT_VERSION
 
@@ -318,3 +319,31 @@ def test_zstd_frames_must_state_their_exact_size_and_nothing_more():
     assert torch.equal(
         codec.decode(from_wire(forge(plain, framed, flags=1), codec)), packet.parts[0]
     )
+
+
+def test_zstd_gain_measures_what_the_stage_saves_and_costs():
+    codec = make_codec("none")
+    zeros = zstd_gain(codec, None, torch.zeros(100_000), zstd_level=1)
+    plain = to_wire(codec.encode(torch.zeros(100_000)))
+    zipped = to_wire(codec.encode(torch.zeros(100_000)), zstd_level=1)
+    assert zeros.ratio == pytest.approx(plain.numel() / zipped.numel())  # the wire's own ratio
+    assert zeros.ratio > 100 and zeros.encode_s_per_byte > 0 and zeros.decode_s_per_byte > 0
+    noise = zstd_gain(codec, None, torch.rand(100_000, generator=torch.Generator().manual_seed(0)))
+    assert 1.0 <= noise.ratio < 1.2  # random mantissas barely compress; never below 1
+    # on a slow link the saved bytes outweigh the CPU; on an infinitely fast one nothing is saved
+    assert zeros.net_seconds_per_byte(bandwidth=50e6 / 8) > 0
+    assert zeros.net_seconds_per_byte(bandwidth=float("inf")) < 0
+    empty = zstd_gain(codec, None, torch.empty(0))
+    assert (empty.ratio, empty.encode_s_per_byte) == (1.0, 0.0)
+
+
+def test_bench_zstd_table_covers_the_ladder():
+    from cloudtrain.compress.bench import LADDER, ZSTD_LEVELS, bench_zstd
+
+    x = torch.randn(20_000, generator=torch.Generator().manual_seed(0))
+    rows = bench_zstd(x, LADDER, repeats=1)
+    assert [(r["case"], r["zstd_level"]) for r in rows] == [
+        (c, z) for c in LADDER for z in ZSTD_LEVELS
+    ]
+    for r in rows:
+        assert r["ratio"] >= 1 and r["encode_ns_per_byte"] > 0 and r["pays_below_mbit"] >= 0
