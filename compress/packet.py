@@ -13,7 +13,10 @@ one of these against the codec it is told to expect - and, given `expect=Expecte
 key, zstd)`, against what the receiver's plan says this packet must be - before it allocates or
 decompresses anything, and raises `PacketError` on any mismatch: a corrupt, truncated, foreign,
 out-of-step or wrong-version packet is never summed into a gradient, and a hostile one cannot
-make the receiver allocate more than the packet it expects.
+make the receiver allocate more than the packet it expects (without `expect`, a header's numel
+is taken as declared: a sparse packet may then ask decode for a large output). A codec accepts
+the ids of its old names too (`Codec.wire_ids`: "topk-sampled" packets decode as "topk"), so
+the format version stays 1.
 
 Without zstd the wire size is fixed by (codec, numel, level, dtype): `wire_nbytes` gives it before
 encoding, which is what fixed-size collectives and the controller plan with. The zstd stage
