@@ -85,6 +85,7 @@ class CommState:
         "params",
         "path",
         "plan",
+        "region_only",
         "stats",
         "step",
         "stream",
@@ -97,8 +98,13 @@ class CommState:
         topo: Topology,
         params: Sequence[torch.Tensor],
         names: Sequence[str],
+        *,
+        region_only: bool = False,
     ) -> None:
+        """region_only: reduce every bucket inside the region and nothing across (the inner
+        steps of an outer loop, which crosses regions itself)."""
         self.config = config
+        self.region_only = region_only and not topo.single_region
         self.topo = topo
         self.params = list(params)
         self.param_names = list(names)
@@ -110,7 +116,7 @@ class CommState:
         self.step = 0
         self.error: BaseException | None = None
         self.controller = None
-        if config.codec == AUTO and not topo.single_region:
+        if config.codec == AUTO and not topo.single_region and not self.region_only:
             from .controller import Controller
 
             if topo.links is None:
@@ -140,8 +146,9 @@ class CommState:
 
     @property
     def direct(self) -> bool:
-        """Buckets are all-reduced from the hook: one region, or nothing compressed."""
-        return self.topo.single_region or self.plan.lossless
+        """Buckets are all-reduced from the hook: one region, nothing compressed, or reduced
+        inside the region only."""
+        return self.topo.single_region or self.plan.lossless or self.region_only
 
     # -- the hook --------------------------------------------------------------------------------
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -204,17 +211,29 @@ class CommState:
     def _allreduce(
         self, index: int, buffer: torch.Tensor, last: bool, signature: tuple
     ) -> torch.futures.Future:
-        """Exactly what DDP does (scale by 1/world, all-reduce), on cloudtrain's own group. With
-        a controller, residuals left from compressed steps are added in first."""
-        buf = buffer.mul_(1.0 / self.topo.world_size)
+        """Exactly what DDP does (scale by 1/world, all-reduce), on cloudtrain's own group - or
+        on the region's, with region_only. With a controller, residuals left from compressed
+        steps are added in first."""
+        topo = self.topo
+        if self.region_only:
+            ranks = topo.members[topo.region]
+            group = topo.groups.get(f"region{topo.region}")
+        else:
+            ranks, group = tuple(range(topo.world_size)), topo.group("dense")
+        buf = buffer.mul_(1.0 / len(ranks))
         if self.controller is not None:
             for unit in self.layouts.units(index, signature, self.ef):  # keep learning the layout
                 self.layouts.inject(unit.layout, buf)
-        self.stats.wan_bytes_sent += ring_wan_bytes(
-            buf.numel() * buf.element_size(), self.topo.rank, self.topo.rank_regions
-        )
+        if not self.region_only:
+            self.stats.wan_bytes_sent += ring_wan_bytes(
+                buf.numel() * buf.element_size(), topo.rank, topo.rank_regions
+            )
         t0 = time.perf_counter()
-        work = dist.all_reduce(buf, group=self.topo.group("dense"), async_op=True)
+        if len(ranks) == 1:
+            work_future = torch.futures.Future()
+            work_future.set_result([buf])
+        else:
+            work_future = dist.all_reduce(buf, group=group, async_op=True).get_future()
         step = self.step
         if last:
             self._end_step()
@@ -230,13 +249,13 @@ class CommState:
             except Exception as e:
                 if not isinstance(e, ValueError):
                     e = CommError(
-                        f"cloudtrain: all-reduce with ranks {list(range(self.topo.world_size))} "
-                        f"failed on rank {self.topo.rank} at step {step}, bucket {index}: {e}"
+                        f"cloudtrain: all-reduce with ranks {list(ranks)} failed on rank "
+                        f"{topo.rank} at step {step}, bucket {index}: {e}"
                     )
                 self.error = self.error or e
                 raise e from None
 
-        return work.get_future().then(done)
+        return work_future.then(done)
 
     # -- the communication thread ------------------------------------------------------------------
     def _ensure_thread(self) -> None:
