@@ -737,12 +737,21 @@ class Checkpointer:
 
         # Copies first, rank 0's own last: the step counts as committed (for load(), which reads
         # rank 0's store) only once every store has its copy.
+        def withdraw_copy() -> None:
+            """Not committed: a region reading alone must not find this step either."""
+            if leads_store and rank != 0:
+                try:
+                    self._store.delete(f"{folder}/{MANIFEST}")
+                except Exception:
+                    log.warning("checkpoint: could not withdraw %s", folder, exc_info=True)
+
         copy_error = None
         if leads_store and rank != 0:
             copy_error = self._write_manifest(folder, manifest_data, rank)
         if len(set(roots)) > 1:
             copy_errors = [e for e in ranks.all_gather(copy_error, "the manifest copies") if e]
             if copy_errors:
+                withdraw_copy()
                 raise CheckpointError(
                     f"checkpoint step {step}: files written but not committed (a manifest copy "
                     f"failed): {'; '.join(copy_errors)}. The step will be ignored by readers."
@@ -750,6 +759,7 @@ class Checkpointer:
         commit_error = self._write_manifest(folder, manifest_data, rank) if rank == 0 else None
         commit_error = ranks.broadcast(commit_error, "the commit")
         if commit_error:
+            withdraw_copy()
             raise CheckpointError(
                 f"checkpoint step {step}: files written but the manifest was not: {commit_error}. "
                 "The step will be ignored by readers."
