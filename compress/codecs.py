@@ -759,10 +759,10 @@ def make_codec(name: str, **params: Any) -> Codec:
     """A codec by registered name or composition ("randomk>topk>quant"). Unknown names raise,
     listing the registered ones. `params` go to every stage that takes them: group_size and
     rounding (quant, sign), nonfinite (all), sampled (topk), and those of registered codecs; a
-    parameter no registered codec takes raises."""
+    parameter no registered codec takes raises (a typo), unless a factory takes **kwargs."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"codec name must be a non-empty string, got {name!r}")
-    known: set[str] = set()
+    known: set[str] | None = set()
     for factory in _REGISTRY.values():
         accepted = _accepted(factory)
         if accepted is None:
