@@ -127,6 +127,4 @@ class ErrorFeedback:
             raise ValueError(
                 f"state holds {state.get('dtype')} residuals, this ErrorFeedback keeps {self.dtype}"
             )
-        self._residuals = {
-            k: v.to(dtype=self.dtype).clone() for k, v in state["residuals"].items()
-        }
+        self._residuals = {k: v.to(dtype=self.dtype).clone() for k, v in state["residuals"].items()}
