@@ -40,8 +40,23 @@ PRESETS: dict[str, dict[str, Any]] = {
     "topk-1pct": {"codec": "topk-sampled", "level": 0.01},
     "topk-0.1pct": {"codec": "topk-sampled", "level": 0.001},
     "cocktail": {"codec": "randomk>topk>quant", "level": (0.1, 0.1, 4)},
+    "diloco": {"codec": "none", "error_feedback": False, "outer": {}},
+    "diloco-sparse": {
+        "codec": "none",
+        "error_feedback": False,
+        "outer": {"codec": "topk>quant", "level": (0.02, 2)},
+    },
+    "diloco-int8": {
+        "codec": "none",
+        "error_feedback": False,
+        "outer": {"codec": "quant", "level": 8},
+    },
 }
-"""Named configs. "cocktail" is CocktailSGD's random-k 10% -> top-k 10% of those -> 4-bit."""
+"""Named configs. "cocktail" is CocktailSGD's random-k 10% -> top-k 10% of those -> 4-bit.
+"diloco" is the outer loop (OuterConfig's defaults: the pseudo-gradients' codec chosen per link);
+"diloco-sparse" sends them SparseLoCo-style (top-k 2% -> 2-bit, error feedback), "diloco-int8"
+as INTELLECT-1 does (8-bit)."""
+
 
 RESIDUAL_DTYPES = {str(d).removeprefix("torch."): d for d in feedback.RESIDUAL_DTYPES}
 """Residual dtypes by name, as ErrorFeedback keeps them."""
@@ -133,6 +148,109 @@ class ControllerOptions:
         return cls(**opts)
 
 
+OUTER_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The outer loop (DiLoCo / Streaming DiLoCo, cloudtrain.outer): inner steps reduce gradients
+    inside each region only; every `sync_every` steps each fragment's pseudo-gradient
+    (outer copy - local parameters) crosses regions compressed, is averaged, and an outer SGD
+    step on the outer copy gives the new parameters."""
+
+    sync_every: int | str = 50
+    """H: inner steps between two syncs of a fragment, or "auto" (chosen from the measured link
+    and step time so that the exchange fits; cloudtrain.outer.choose_schedule)."""
+
+    outer_lr: float = 1.0
+    """Learning rate of the outer SGD step (1 with momentum 0: plain averaging of the regions)."""
+
+    outer_momentum: float = 0.0
+    """Momentum of the outer SGD step (DiLoCo: 0.9 with lr 0.7 and nesterov)."""
+
+    nesterov: bool = True
+    """Nesterov momentum in the outer step (no effect at momentum 0)."""
+
+    fragments: int = 1
+    """Parts of the parameters synced on staggered schedules (Streaming DiLoCo); 1: all at once."""
+
+    overlap: int = 0
+    """tau: inner steps a fragment's exchange may run behind (on a background thread) before its
+    result is merged; 0 waits for it at the sync step."""
+
+    codec: str = AUTO
+    """Codec of the pseudo-gradients across regions, or "auto" (chosen per link)."""
+
+    level: Any = None
+    """The codec's level (as CompressionConfig.level)."""
+
+    error_feedback: bool = True
+    """Keep what the codec dropped from a pseudo-gradient and send it with the next one."""
+
+    dtype: str = "float32"
+    """dtype of the outer copy, its momentum and the residuals: "float32", or "bfloat16" for
+    half their memory."""
+
+    def __post_init__(self) -> None:
+        if self.sync_every != AUTO:
+            try:
+                _number("outer.sync_every", self.sync_every, 1, 2**31 - 1, integer=True)
+            except ValueError as e:
+                raise ValueError(f"{e}, or 'auto'") from None
+        _number("outer.outer_lr", self.outer_lr, 0, 100, open_lo=True)
+        _number("outer.outer_momentum", self.outer_momentum, 0, 1)
+        if self.outer_momentum == 1:
+            raise ValueError("outer.outer_momentum=1 never forgets a step; use a value below 1")
+        if not isinstance(self.nesterov, bool):
+            raise ValueError(f"outer.nesterov={self.nesterov!r} must be True or False")
+        _number("outer.fragments", self.fragments, 1, 4096, integer=True)
+        _number("outer.overlap", self.overlap, 0, 2**31 - 1, integer=True)
+        if isinstance(self.sync_every, int):
+            if self.fragments > self.sync_every:
+                raise ValueError(
+                    f"outer.fragments={self.fragments} > sync_every={self.sync_every}: each "
+                    "fragment needs its own sync step; use at most sync_every fragments"
+                )
+            if self.overlap >= self.sync_every:
+                raise ValueError(
+                    f"outer.overlap={self.overlap} must be below sync_every={self.sync_every}: a "
+                    "fragment's exchange has to be merged before its next sync"
+                )
+        if not isinstance(self.codec, str) or not self.codec.strip():
+            raise ValueError(f"outer.codec={self.codec!r}: name a codec, e.g. 'quant', or 'auto'")
+        if self.codec != AUTO:
+            try:
+                make_codec(self.codec).check_level(self.level)
+            except ValueError as e:
+                raise ValueError(f"outer.codec/level: {e}") from None
+        elif self.level is not None:
+            raise ValueError(
+                f"outer.level={self.level!r} with outer.codec='auto': the level is chosen per "
+                "link; leave it unset or name a codec"
+            )
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"outer.error_feedback={self.error_feedback!r} must be True or False")
+        if self.dtype not in OUTER_DTYPES:
+            raise ValueError(f"outer.dtype={self.dtype!r}; use one of {list(OUTER_DTYPES)}")
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> OuterConfig:
+        """Options from a plain dict (e.g. read from JSON): unknown keys are an error."""
+        unknown = set(options) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(
+                f"unknown outer options {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}"
+            )
+        opts = dict(options)
+        if isinstance(opts.get("level"), list):
+            opts["level"] = tuple(opts["level"])
+        return cls(**opts)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
 @dataclass(frozen=True)
 class CompressionConfig:
     codec: str = AUTO
@@ -176,6 +294,11 @@ class CompressionConfig:
     controller: ControllerOptions | dict = field(default_factory=ControllerOptions)
     """Options of the adaptive controller when codec is "auto": ControllerOptions, or a dict of
     its fields (checked, and turned into ControllerOptions, when the config is made)."""
+
+    outer: OuterConfig | dict | None = None
+    """The outer loop (OuterConfig, or its fields as a dict): gradients are then reduced inside
+    each region only, and parameters cross regions every few steps (CloudDDP needs optimizer=).
+    None: every step's gradients cross regions."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.codec, str) or not self.codec.strip():
@@ -232,6 +355,17 @@ class CompressionConfig:
             raise ValueError(
                 "controller: a ControllerOptions, or its fields as a dict, e.g. "
                 "{'hidden_fraction': 0.8}"
+            )
+        if isinstance(self.outer, dict):
+            object.__setattr__(self, "outer", OuterConfig.from_dict(self.outer))
+        elif self.outer is not None and not isinstance(self.outer, OuterConfig):
+            raise ValueError(
+                "outer: an OuterConfig, its fields as a dict (e.g. {'sync_every': 50}), or None"
+            )
+        if self.outer is not None and self.codec not in (AUTO, CodecKind.NONE.value):
+            raise ValueError(
+                f"codec={self.codec!r} with an outer loop: gradients then never cross regions "
+                "per step; give the pseudo-gradients' codec as outer.codec and leave codec unset"
             )
 
     @classmethod

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .bootstrap import init
 from .config import AUTO, CompressionConfig
 from .hook import CommState, compressed_hook
+from .outer import OuterLoop
 from .stats import CommStats
 from .topology import Topology
 
@@ -81,13 +82,27 @@ class CloudDDP(DistributedDataParallel):
     """DistributedDataParallel that compresses gradients between regions (module docstring).
 
     config: a CompressionConfig, a preset name ("auto", "none", "fp16", "topk-1pct", "cocktail",
-    ...) or a codec spec ("topk:0.01"). Other keyword arguments go to DistributedDataParallel.
+    "diloco", ...) or a codec spec ("topk:0.01"). optimizer: the inner optimizer, built on
+    module.parameters() before wrapping - required with an outer loop (config.outer, e.g.
+    "diloco"; cloudtrain.outer), accepted and unused otherwise. Other keyword arguments go to
+    DistributedDataParallel.
     """
 
     def __init__(
-        self, module: torch.nn.Module, config: CompressionConfig | str = AUTO, **ddp_kwargs: Any
+        self,
+        module: torch.nn.Module,
+        config: CompressionConfig | str = AUTO,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        **ddp_kwargs: Any,
     ) -> None:
         config = CompressionConfig.resolve(config)
+        if config.outer is not None and optimizer is None:
+            raise ValueError(
+                "CloudDDP: an outer loop (config.outer, e.g. 'diloco') needs the inner optimizer: "
+                "CloudDDP(model, config, optimizer=opt), with opt built on model.parameters() "
+                "before wrapping"
+            )
         init(timeout_s=config.timeout_s)
         if "process_group" in ddp_kwargs:
             raise ValueError("CloudDDP makes its own process groups; do not pass process_group")
@@ -96,8 +111,10 @@ class CloudDDP(DistributedDataParallel):
         topo = Topology.discover(config, config.timeout)
         params = list(self.module.parameters())
         names = [name for name, _ in self.module.named_parameters()]
-        self.comm = CommState(config, topo, params, names)
+        outer = config.outer is not None
+        self.comm = CommState(config, topo, params, names, region_only=outer)
         self.register_comm_hook(self.comm, compressed_hook)
+        self.outer = OuterLoop(config, topo, params, optimizer, self.comm.stats) if outer else None
         if topo.single_region and not config.lossless and config.codec != AUTO:
             log.info(
                 "cloudtrain: all ranks are in one region, so gradients are all-reduced without lossy "
@@ -114,11 +131,28 @@ class CloudDDP(DistributedDataParallel):
         return self.comm.topo
 
     def comm_state_dict(self) -> dict[str, Any]:
-        """This rank's communication state: error-feedback residuals, step, controller."""
-        return self.comm.state_dict()
+        """This rank's communication state: error-feedback residuals, step, controller; with an
+        outer loop also its outer copy, momentum, residuals and fragments in flight."""
+        state = self.comm.state_dict()
+        if self.outer is not None:
+            state["outer"] = self.outer.state_dict()
+        return state
 
     def load_comm_state_dict(self, state: dict[str, Any]) -> None:
         self.comm.load_state_dict(state)
+        if self.outer is not None:
+            if not isinstance(state.get("outer"), dict):
+                raise ValueError(
+                    "comm state has no outer-loop state: it was saved without an outer loop; "
+                    "resume with the config it was saved with"
+                )
+            self.outer.load_state_dict(state["outer"])
+
+    def finish_outer(self) -> None:
+        """With an outer loop: merge what is in flight and sync every fragment, so that all
+        replicas hold the same parameters (all ranks call; e.g. before the final evaluation)."""
+        if self.outer is not None:
+            self.outer.finish()
 
     def verify_replicas(self) -> None:
         """Check now that all replicas' parameters agree bit for bit (all ranks must call it)."""
@@ -153,3 +187,6 @@ class CloudDDP(DistributedDataParallel):
         comm = self.__dict__.get("comm")
         if comm is not None:
             comm.close()
+        outer = self.__dict__.get("outer")
+        if outer is not None:
+            outer.close()

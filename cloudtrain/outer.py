@@ -1,0 +1,491 @@
+"""The outer loop (DiLoCo, Streaming DiLoCo): parameters cross regions every H steps, not gradients.
+
+    model = CloudDDP(model, "diloco", optimizer=opt)    # opt built on model.parameters() first
+
+Inner steps are DDP inside each region only (the hook's region_only path); the inner optimizer
+and its state stay local. `OuterLoop` runs after every inner `optimizer.step()` (a step post-hook)
+and, for each fragment of the parameters whose sync step it is (fragment f of F syncs at the
+steps t > 0 with (t - f*H//F) % H == 0):
+
+    delta = outer_copy - local                        # the region's pseudo-gradient: the same
+                                                      #   bits on each of the region's ranks
+    mine = delta[shard]                               # each of the region's k ranks owns 1/k
+    summed = CrossRegion.exchange(mine, ...)          # compressed with error feedback, swapped
+                                                      #   with that shard's owners elsewhere,
+                                                      #   checked and summed in region order
+    gather_in_region(...)                             # every rank: the whole summed delta
+    outer_copy -= outer_lr * nesterov(summed / R)     # outer SGD, the same math on every rank
+    local = outer_copy                                # or, with overlap, see below
+
+so the outer copy is bit-identical on every rank after each outer step, and with overlap 0 the
+fragment's parameters too. Overlap (tau > 0): the exchange runs on a background thread, on
+process groups of its own (so it never interleaves with the hook's collectives), and its result
+is merged tau inner steps later as `local = outer_copy_new + (local_now - local_at_send)`: the
+region's tau newer steps are kept, not thrown away (Streaming DiLoCo's mixing with alpha = 0
+drops them; any alpha > 0 keeps stale parameters as well). With tau = 0 it is DiLoCo exactly.
+The outer copy stays bit-identical everywhere; regions' parameters differ by their last tau steps
+until the next sync (`finish()` syncs everything and makes all replicas equal).
+
+`choose_schedule` is the choice of H and of each region's codec from the measured link and step
+time (a pure function): the exchange must hide in the tau steps it overlaps, or, without
+overlap, stall at most `STALL_SHARE` of the compute between two syncs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .compress import ErrorFeedback
+from .config import AUTO, CompressionConfig, OuterConfig
+from .datapath import CrossRegion, Shard
+from .plan import Codecs, Plan, Rung
+from .stats import CommStats
+from .topology import Topology
+
+log = logging.getLogger("cloudtrain")
+
+OUTER_STATE_FORMAT = 1
+
+SYNC_CHOICES = (5, 10, 20, 50, 100, 200, 500, 1000)
+"""Values of H that sync_every="auto" picks from, smallest (best quality) first."""
+
+OUTER_LADDER: tuple[Rung, ...] = (
+    ("none", None),
+    ("bf16", None),
+    ("quant", 8),
+    ("quant", 4),
+    ("topk>quant", (0.1, 4)),
+    ("topk>quant", (0.02, 2)),
+)
+"""Codecs of the pseudo-gradients, least compressed first; the last is SparseLoCo's kind
+(top-k + 2-bit with error feedback)."""
+
+STALL_SHARE = 0.1
+"""Without overlap: the share of the compute between two syncs an exchange may stall."""
+
+DECIDE_AFTER = 5
+"""With "auto": inner steps timed before H and the codecs are chosen (none syncs before)."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """A sender region's link to the others: bandwidth (bytes/s, per shard owner) and RTT (s)."""
+
+    bandwidth: float
+    rtt: float
+
+
+@dataclass(frozen=True)
+class Schedule:
+    sync_every: int
+    rungs: tuple[Rung, ...]
+    """Codec of each sender region's pseudo-gradient packets (by region index)."""
+    exchange_s: float
+    """Predicted seconds of one fragment's exchange on the slowest link."""
+    fits: bool
+    """False: nothing fits the budget; the most compression at the largest H was taken."""
+
+
+def exchange_seconds(link: Link, nbytes: int, receivers: int) -> float:
+    """One fragment's exchange on a sender's link: a round trip plus its packet to every other
+    region."""
+    return link.rtt + receivers * nbytes / link.bandwidth
+
+
+def choose_schedule(
+    numel: int,
+    links: Sequence[Link],
+    shards: int,
+    step_s: float,
+    fragments: int,
+    overlap: int,
+    wire_nbytes: Callable[[Rung, int], int],
+    sync_every: int | str = AUTO,
+    ladder: Sequence[Rung] = OUTER_LADDER,
+) -> Schedule:
+    """H and each region's codec for the outer exchange (module docstring): the smallest H, then
+    per region the least compression, such that every region's exchange of one fragment fits.
+
+    Budget per exchange: with overlap, the tau steps it hides behind, and the link must carry the
+    F fragments' exchanges within H steps; without, STALL_SHARE of the H/F steps between two
+    syncs of any fragment."""
+    if numel < 1 or not links or shards < 1 or fragments < 1 or overlap < 0:
+        raise ValueError("choose_schedule: numel, links, shards and fragments must be positive")
+    if not (math.isfinite(step_s) and step_s > 0):
+        raise ValueError(f"choose_schedule: step_s={step_s!r} must be a positive time")
+    m = -(-(-(-numel // fragments)) // shards)  # elements of one shard of one fragment
+    receivers = len(links) - 1
+    candidates = [sync_every] if sync_every != AUTO else list(SYNC_CHOICES)
+    candidates = [h for h in candidates if h > overlap and h >= fragments] or [
+        max(overlap + 1, fragments)
+    ]
+    for h in candidates:
+        if overlap:
+            budget = min(overlap * step_s, h * step_s / fragments)
+        else:
+            budget = STALL_SHARE * step_s * h / fragments
+        rungs: list[Rung] = []
+        worst = 0.0
+        for link in links:
+            for rung in ladder:
+                seconds = exchange_seconds(link, wire_nbytes(rung, m), receivers)
+                if seconds <= budget:
+                    rungs.append(rung)
+                    worst = max(worst, seconds)
+                    break
+        if len(rungs) == len(links):
+            return Schedule(h, tuple(rungs), worst, True)
+    h, last = candidates[-1], ladder[-1]
+    worst = max(exchange_seconds(link, wire_nbytes(last, m), receivers) for link in links)
+    return Schedule(h, tuple(last for _ in links), worst, False)
+
+
+def region_links(topo: Topology) -> list[Link]:
+    """Each region's slowest probed link to another region, its bandwidth shared by the
+    region's shard owners' parallel flows (as the controller reads the probe)."""
+    links = topo.links if topo.links is not None else topo.probe()
+    out = []
+    for r, members in enumerate(topo.members):
+        others = [j for q, m in enumerate(topo.members) if q != r for j in m]
+        pairs = [(i, j) for i in members for j in others]
+        out.append(
+            Link(
+                max(min(links.beta[i][j] for i, j in pairs) / topo.shards, 1.0),
+                min(min(links.alpha[i][j] for i, j in pairs), 60.0),
+            )
+        )
+    return out
+
+
+def _own_groups(topo: Topology, timeout: Any) -> Topology:
+    """A copy of `topo` with process groups of its own for the region and cross-region
+    collectives, made in the same order on every rank: the outer exchange may run on a
+    background thread while the hook reduces gradients on the topology's groups."""
+    own = dataclasses.replace(topo, groups={"control": topo.groups["control"]})
+    if topo.single_region:
+        return own
+    backend = dist.get_backend()
+    for index, ranks in enumerate(topo.members):
+        own.groups[f"region{index}"] = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+    for shard in range(topo.shards):
+        own.groups[f"cross{shard}"] = dist.new_group(
+            list(topo.shard_owners(shard)), timeout=timeout, backend="gloo"
+        )
+    return own
+
+
+@dataclass
+class _Flight:
+    """A fragment's exchange started at `sent` and merged at `merge`."""
+
+    fragment: int
+    sent: int
+    merge: int
+    local_at_send: torch.Tensor
+    future: concurrent.futures.Future
+
+
+class OuterLoop:
+    """The outer loop of one CloudDDP (module docstring)."""
+
+    def __init__(
+        self,
+        config: CompressionConfig,
+        topo: Topology,
+        params: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        stats: CommStats,
+    ) -> None:
+        outer = config.outer
+        if not isinstance(outer, OuterConfig):
+            raise ValueError("OuterLoop needs a CompressionConfig with outer=OuterConfig(...)")
+        self.config, self.outer, self.topo = config, outer, topo
+        self.params = [p for p in params if p.requires_grad]
+        self._check_optimizer(optimizer)
+        self.numel = sum(p.numel() for p in self.params)
+        self.fragments = outer.fragments
+        if self.numel < self.fragments * topo.shards:
+            raise ValueError(
+                f"outer.fragments={self.fragments}: the model's {self.numel} parameters cannot be "
+                f"cut into {self.fragments} fragments of {topo.shards} shard(s) each; use fewer"
+            )
+        bounds = [f * self.numel // self.fragments for f in range(self.fragments + 1)]
+        self.pieces = [self._pieces(bounds[f], bounds[f + 1]) for f in range(self.fragments)]
+        dtype = outer.torch_dtype
+        with torch.no_grad():
+            self.global_ = [self._local(f).to(dtype) for f in range(self.fragments)]
+        self.momentum: list[torch.Tensor | None] = [None] * self.fragments
+        self.ef = ErrorFeedback(dtype) if outer.error_feedback else None
+        self.stats = stats
+        self.step = 0
+        self.flights: dict[int, _Flight] = {}
+        self._times: list[float] = []
+        self._last = time.perf_counter()
+        self.schedule: Schedule | None = None
+        regions = len(topo.regions)
+        if outer.sync_every != AUTO and (outer.codec != AUTO or topo.single_region):
+            rung = ("none", None) if outer.codec == AUTO else (outer.codec, outer.level)
+            self.schedule = Schedule(outer.sync_every, (rung,) * regions, 0.0, True)
+        self.codecs = Codecs(config)
+        self.links: list[Link] | None = None
+        if self.schedule is None and not topo.single_region:
+            self.links = region_links(topo)  # a collective: every rank, now
+        self.own = _own_groups(topo, config.timeout)
+        self.path = CrossRegion(config, self.own, self.codecs, self.ef, stats)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cloudtrain-outer")
+        self._handle = optimizer.register_step_post_hook(self._after_step)
+
+    def _check_optimizer(self, optimizer: Any) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                f"optimizer={optimizer!r}: the outer loop needs the inner torch.optim.Optimizer, "
+                "built on module.parameters() before wrapping"
+            )
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [i for i, p in enumerate(self.params) if id(p) not in held]
+        if missing:
+            raise ValueError(
+                f"optimizer= does not hold {len(missing)} of the model's parameters (the first "
+                f"is parameter #{missing[0]}): build it on module.parameters() of the model you "
+                "wrap"
+            )
+
+    # -- fragments ---------------------------------------------------------------------------
+    def _pieces(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(parameter index, start in it, length) covering elements [lo, hi) of all
+        parameters laid end to end."""
+        out, offset = [], 0
+        for i, p in enumerate(self.params):
+            start, end = max(lo, offset), min(hi, offset + p.numel())
+            if start < end:
+                out.append((i, start - offset, end - start))
+            offset += p.numel()
+        return out
+
+    def _local(self, f: int) -> torch.Tensor:
+        """Fragment f of the local parameters, float32."""
+        return torch.cat(
+            [self.params[i].detach().reshape(-1)[s : s + n].float() for i, s, n in self.pieces[f]]
+        )
+
+    def _write(self, f: int, values: torch.Tensor) -> None:
+        at = 0
+        for i, s, n in self.pieces[f]:
+            p = self.params[i]
+            p.detach().view(-1)[s : s + n].copy_(values[at : at + n])
+            at += n
+
+    def offset(self, f: int) -> int:
+        assert self.schedule is not None
+        return f * self.schedule.sync_every // self.fragments
+
+    # -- every inner step ---------------------------------------------------------------------
+    @torch.no_grad()
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.step += 1
+        now = time.perf_counter()
+        self._times.append(now - self._last)
+        self._last = now
+        if self.schedule is None:
+            if self.step < DECIDE_AFTER:
+                return
+            self._decide()
+        for flight in sorted(self.flights.values(), key=lambda x: x.fragment):
+            if flight.merge == self.step:
+                self._merge(flight)
+        h = self.schedule.sync_every
+        for f in range(self.fragments):
+            if (self.step - self.offset(f)) % h == 0:
+                self._sync(f)
+
+    def _decide(self) -> None:
+        """H and the codecs, from rank 0's measured step time and the probed links; every rank
+        gets rank 0's choice."""
+        outer = self.outer
+        choice: list[Any] = [None]
+        if self.topo.rank == 0:
+            step_s = statistics.median(self._times[1:] or self._times)
+            links = self.links or [Link(1e12, 0.0)] * len(self.topo.regions)
+            ladder = OUTER_LADDER if outer.codec == AUTO else ((outer.codec, outer.level),)
+            choice[0] = choose_schedule(
+                self.numel,
+                links,
+                self.topo.shards,
+                step_s,
+                self.fragments,
+                outer.overlap,
+                lambda rung, m: self.codecs.wire_nbytes(rung, m),
+                outer.sync_every,
+                ladder,
+            )
+            s = choice[0]
+            log.info(
+                "cloudtrain outer loop: H=%d, codecs %s, exchange %.3fs per fragment (%s), step "
+                "%.3fs, links %s",
+                s.sync_every,
+                list(s.rungs),
+                s.exchange_s,
+                "fits" if s.fits else "does not fit: most compression",
+                step_s,
+                [
+                    (f"{8 * lk.bandwidth / 1e6:.1f} Mbit/s", f"{1000 * lk.rtt:.0f} ms")
+                    for lk in links
+                ],
+            )
+        dist.broadcast_object_list(choice, src=0, group=self.topo.group("control"))
+        self.schedule = choice[0]
+
+    def _sync(self, f: int) -> None:
+        local = self._local(f)
+        delta = self.global_[f].float() - local
+        step = self.step
+        if self.outer.overlap == 0:
+            self._apply(f, self._exchange(f, delta, step), local, local)
+            return
+        future = self._pool.submit(self._exchange, f, delta, step)
+        self.flights[f] = _Flight(f, step, step + self.outer.overlap, local, future)
+
+    def _merge(self, flight: _Flight) -> None:
+        del self.flights[flight.fragment]
+        mean = flight.future.result()  # its error, if any, is raised here, on the training thread
+        self._apply(flight.fragment, mean, flight.local_at_send, self._local(flight.fragment))
+
+    def _exchange(self, f: int, delta: torch.Tensor, step: int) -> torch.Tensor:
+        """The mean over regions of the regions' pseudo-gradients of fragment f."""
+        topo = self.topo
+        regions = len(topo.regions)
+        if regions == 1:
+            return delta
+        assert self.schedule is not None
+        where = f" at outer step {step}, fragment {f}"
+        n, shards = delta.numel(), topo.shards
+        m = -(-n // shards)
+        padded = delta if n == shards * m else torch.cat([delta, delta.new_zeros(shards * m - n)])
+        mine = None
+        if topo.shard is not None:
+            mine = padded[topo.shard * m : (topo.shard + 1) * m].contiguous()
+        summed = None
+        if mine is not None:
+            plan = Plan(self.schedule.rungs)
+            summed = self.path.exchange(mine, plan, step, f, n, where)
+        self.path.gather_in_region(Shard(padded, n, m, mine), summed, where)
+        return padded[:n] / regions
+
+    def _apply(
+        self, f: int, mean: torch.Tensor, local_at_send: torch.Tensor, local_now: torch.Tensor
+    ) -> None:
+        """The outer SGD step on fragment f's outer copy; the local parameters become it (plus
+        what the region learnt since the exchange started)."""
+        outer = self.outer
+        update = mean
+        if outer.outer_momentum > 0:
+            buf = self.momentum[f]
+            buf = mean.clone() if buf is None else buf.float().mul_(outer.outer_momentum).add_(mean)
+            self.momentum[f] = buf.to(outer.torch_dtype)
+            buf = self.momentum[f].float()
+            update = mean.add(buf, alpha=outer.outer_momentum) if outer.nesterov else buf
+        new = self.global_[f].float().sub_(update, alpha=outer.outer_lr)
+        self.global_[f] = new.to(outer.torch_dtype)
+        new = self.global_[f].float()
+        if local_now is not local_at_send:
+            new = new + (local_now - local_at_send)
+        self._write(f, new)
+
+    # -- end and state -----------------------------------------------------------------------
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Merge what is in flight, then sync every fragment once (all ranks call): every
+        replica then holds the same parameters (e.g. before the final evaluation or export)."""
+        for flight in sorted(self.flights.values(), key=lambda x: x.fragment):
+            self._merge(flight)
+        if self.schedule is None:
+            self._decide()
+        for f in range(self.fragments):
+            local = self._local(f)
+            self._apply(
+                f, self._exchange(f, self.global_[f].float() - local, self.step), local, local
+            )
+
+    def _wait(self) -> None:
+        for flight in self.flights.values():
+            flight.future.result()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Outer copy, momentum, residuals, in-flight fragments (their exchanges are waited for,
+        so that the residuals are the ones after them) and the schedule."""
+        self._wait()
+        return {
+            "format": OUTER_STATE_FORMAT,
+            "step": self.step,
+            "schedule": None if self.schedule is None else dataclasses.asdict(self.schedule),
+            "global": [g.detach().cpu().clone() for g in self.global_],
+            "momentum": [None if b is None else b.detach().cpu().clone() for b in self.momentum],
+            "residuals": {}
+            if self.ef is None
+            else {k: v.detach().cpu().clone() for k, v in self.ef.residuals.items()},
+            "flights": [
+                {
+                    "fragment": fl.fragment,
+                    "sent": fl.sent,
+                    "merge": fl.merge,
+                    "local_at_send": fl.local_at_send.cpu().clone(),
+                    "mean": fl.future.result().cpu().clone(),
+                }
+                for fl in sorted(self.flights.values(), key=lambda x: x.fragment)
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("format") != OUTER_STATE_FORMAT:
+            raise ValueError(
+                "outer state: expected the 'outer' entry of CloudDDP.comm_state_dict() of this "
+                "cloudtrain release"
+            )
+        if len(state["global"]) != self.fragments:
+            raise ValueError(
+                f"outer state has {len(state['global'])} fragments, this run {self.fragments}: "
+                "resume with the same outer.fragments"
+            )
+        self._wait()
+        device = self.global_[0].device
+        self.step = int(state["step"])
+        sched = state["schedule"]
+        if sched is not None:
+            sched = Schedule(
+                sched["sync_every"],
+                tuple(
+                    (name, tuple(lv) if isinstance(lv, list) else lv) for name, lv in sched["rungs"]
+                ),
+                sched["exchange_s"],
+                sched["fits"],
+            )
+        self.schedule = sched
+        self.global_ = [g.to(device) for g in state["global"]]
+        self.momentum = [None if b is None else b.to(device) for b in state["momentum"]]
+        if self.ef is not None:
+            self.ef.reset()
+            for key, residual in state["residuals"].items():
+                self.ef.put(tuple(key), residual.to(device))
+        self.flights = {}
+        for fl in state["flights"]:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(fl["mean"].to(device))
+            self.flights[fl["fragment"]] = _Flight(
+                fl["fragment"], fl["sent"], fl["merge"], fl["local_at_send"].to(device), done
+            )
+        self._times, self._last = [], time.perf_counter()
+
+    def close(self) -> None:
+        self._handle.remove()
+        self._pool.shutdown(wait=False)

@@ -1,0 +1,321 @@
+"""The outer loop (cloudtrain.outer) on real processes over gloo: the outer copy bit-identical
+everywhere, the regions training apart between syncs, equal replicas after finish(), exact resume
+with a fragment in flight, DDP's parameters at H = 1, the schedule choice, and every bad option."""
+
+from __future__ import annotations
+
+import copy
+import zlib
+
+import pytest
+import torch
+from distributed import run_ranks
+
+from cloudtrain import CompressionConfig
+from cloudtrain.config import PRESETS, OuterConfig
+from cloudtrain.outer import OUTER_LADDER, Link, choose_schedule
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(20, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 5),
+    )
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 20, generator=g), torch.randint(0, 5, (8,), generator=g)
+
+
+def crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().data)
+
+
+def train_step(model, opt, rank: int, step: int) -> None:
+    x, y = batch(rank, step)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+# -- replicas ------------------------------------------------------------------------------------
+
+
+def _replicas(rank, world, outer, steps):
+    import cloudtrain
+
+    cloudtrain.init()
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = CompressionConfig(regions="a,a,b,b", outer=outer)
+    ddp = cloudtrain.CloudDDP(model, config, optimizer=opt)
+    loop = ddp.outer
+    trace = []
+    for step in range(steps):
+        train_step(ddp, opt, rank, step)
+        trace.append(
+            (
+                tuple(crc(g) for g in loop.global_),
+                tuple(crc(loop._local(f)) for f in range(loop.fragments)),
+            )
+        )
+    ddp.finish_outer()
+    final = [crc(p) for p in model.parameters()]
+    return trace, final, ddp.stats().wan_bytes_sent
+
+
+@pytest.mark.parametrize(
+    "outer",
+    [
+        OuterConfig(sync_every=3, codec="quant", level=8, outer_lr=0.7, outer_momentum=0.9),
+        OuterConfig(
+            sync_every=4,
+            fragments=2,
+            overlap=1,
+            codec="topk>quant",
+            level=(0.1, 4),
+            outer_lr=0.7,
+            outer_momentum=0.9,
+            dtype="bfloat16",
+        ),
+    ],
+    ids=["diloco", "streaming"],
+)
+def test_outer_copy_bit_identical_and_replicas_equal_after_finish(outer):
+    steps = 13
+    results = run_ranks(4, _replicas, outer, steps, timeout=300)
+    traces = [r[0] for r in results]
+    h, frags = outer.sync_every, outer.fragments
+    for step in range(steps):
+        t = step + 1  # inner steps done
+        globals_ = {tr[step][0] for tr in traces}
+        assert len(globals_) == 1, f"outer copies differ across ranks after step {t}"
+        for region in ((0, 1), (2, 3)):
+            assert traces[region[0]][step][1] == traces[region[1]][step][1], (
+                f"ranks {region} of one region differ after step {t}"
+            )
+        for f in range(frags):
+            merged = (t - f * h // frags - outer.overlap) % h == 0 and t > outer.overlap
+            locals_f = {tr[step][1][f] for tr in traces}
+            if merged and outer.overlap == 0:
+                assert len(locals_f) == 1, f"fragment {f} differs across regions after its sync"
+            if not merged:
+                assert len(locals_f) == 2, f"regions should train apart at step {t}, fragment {f}"
+    assert traces[0][0][0] != traces[0][-1][0], "no outer step happened"
+    finals = [r[1] for r in results]
+    assert all(f == finals[0] for f in finals), "replicas differ after finish()"
+    sent = [r[2] for r in results]
+    assert all(s > 0 for s in sent), f"no pseudo-gradient crossed regions: {sent}"
+
+
+# -- resume --------------------------------------------------------------------------------------
+
+
+def _resume(rank, world, outer, steps, save_at):
+    import cloudtrain
+
+    cloudtrain.init()
+    config = CompressionConfig(regions="per-rank", outer=outer)
+
+    def build():
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, opt, cloudtrain.CloudDDP(model, config, optimizer=opt)
+
+    model, opt, ddp = build()
+    saved = None
+    for step in range(steps):
+        train_step(ddp, opt, rank, step)
+        if step + 1 == save_at:
+            in_flight = sorted(ddp.outer.flights)
+            saved = copy.deepcopy((model.state_dict(), opt.state_dict(), ddp.comm_state_dict()))
+    straight = [p.detach().clone() for p in model.parameters()]
+
+    model, opt, ddp = build()
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    ddp.load_comm_state_dict(saved[2])
+    for step in range(save_at, steps):
+        train_step(ddp, opt, rank, step)
+    resumed = [p.detach().clone() for p in model.parameters()]
+    return in_flight, straight, resumed
+
+
+def test_resume_with_a_fragment_in_flight_is_bit_identical():
+    outer = OuterConfig(
+        sync_every=4,
+        fragments=2,
+        overlap=2,
+        codec="quant",
+        level=4,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+    )
+    # fragment 1 syncs at steps 2, 6, 10 and merges 2 steps later: in flight after step 6
+    results = run_ranks(2, _resume, outer, 12, 6, timeout=300)
+    for in_flight, straight, resumed in results:
+        assert in_flight == [1]
+        for a, b in zip(straight, resumed, strict=True):
+            assert torch.equal(a, b), "the resumed run's parameters differ from the straight run's"
+    assert not all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True)), (
+        "the two regions should differ by their last steps"
+    )
+
+
+# -- DDP at H = 1 --------------------------------------------------------------------------------
+
+
+def _versus_ddp(rank, world, steps):
+    import cloudtrain
+
+    cloudtrain.init()
+    plain_model = make_model()
+    plain = torch.nn.parallel.DistributedDataParallel(plain_model)
+    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.1)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = OuterConfig(sync_every=1, codec="none", error_feedback=False)
+    ddp = cloudtrain.CloudDDP(
+        model, CompressionConfig(regions="a,a,b,b", outer=outer), optimizer=opt
+    )
+    for step in range(steps):
+        train_step(plain, plain_opt, rank, step)
+        train_step(ddp, opt, rank, step)
+    worst = max(
+        (a - b).abs().max().item()
+        for a, b in zip(plain_model.parameters(), model.parameters(), strict=True)
+    )
+    moved = max(
+        (a - b).abs().max().item()
+        for a, b in zip(make_model().parameters(), model.parameters(), strict=True)
+    )
+    return worst, moved
+
+
+def test_h1_plain_sgd_outer_averaging_gives_ddps_parameters():
+    for worst, moved in run_ranks(4, _versus_ddp, 6, timeout=300):
+        assert moved > 1e-2  # training moved the parameters: the comparison means something
+        assert worst < 1e-6, f"outer loop at H=1 differs from DDP by {worst}"
+
+
+# -- choosing H and the codec --------------------------------------------------------------------
+
+
+def nbytes(rung, m):
+    return CompressionConfig().make_codec(rung[0]).nbytes(m, rung[1], torch.float32)
+
+
+def test_schedule_fast_link_smallest_h_no_compression():
+    s = choose_schedule(1_000_000, [Link(1e10, 1e-4)] * 2, 2, 0.1, 1, 0, nbytes)
+    assert (s.sync_every, s.rungs, s.fits) == (5, (("none", None),) * 2, True)
+
+
+def test_schedule_slow_link_compresses_per_region_and_fits_the_budget():
+    links = [Link(50e6 / 8, 0.18), Link(1e9, 0.18)]  # 50 Mbit/s out of region 0, fast out of 1
+    s = choose_schedule(1_400_000, links, 2, 0.05, 1, 0, nbytes)
+    assert s.fits
+    budget = 0.1 * 0.05 * s.sync_every
+    assert s.exchange_s <= budget
+    assert OUTER_LADDER.index(s.rungs[0]) > OUTER_LADDER.index(s.rungs[1])
+    # one H smaller does not fit with any codec
+    smaller = choose_schedule(
+        1_400_000,
+        links,
+        2,
+        0.05,
+        1,
+        0,
+        nbytes,
+        sync_every=[h for h in (5, 10, 20, 50, 100, 200) if h < s.sync_every][-1],
+    )
+    assert not smaller.fits
+
+
+def test_schedule_overlap_hides_exchange_in_tau_steps():
+    links = [Link(50e6 / 8, 0.18)] * 2
+    s = choose_schedule(1_400_000, links, 2, 0.05, 4, 5, nbytes)
+    assert s.fits and s.exchange_s <= 5 * 0.05 and s.sync_every > 5
+    never = choose_schedule(1_400_000, links, 2, 0.05, 1, 1, nbytes)  # 50 ms < one RTT
+    assert not never.fits and never.rungs[0] == OUTER_LADDER[-1]
+
+
+def test_schedule_bad_inputs():
+    with pytest.raises(ValueError, match="step_s"):
+        choose_schedule(10, [Link(1, 0)], 1, 0.0, 1, 0, nbytes)
+    with pytest.raises(ValueError, match="positive"):
+        choose_schedule(0, [Link(1, 0)], 1, 0.1, 1, 0, nbytes)
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def test_missing_optimizer_is_an_error_naming_the_fix():
+    import cloudtrain
+
+    with pytest.raises(ValueError, match="optimizer=opt"):
+        cloudtrain.CloudDDP(make_model(), "diloco")
+
+
+def _wrong_optimizer(rank, world):
+    import cloudtrain
+
+    cloudtrain.init()
+    other = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    try:
+        cloudtrain.CloudDDP(make_model(), "diloco", optimizer=other)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_optimizer_of_another_model_is_an_error():
+    (message,) = run_ranks(1, _wrong_optimizer)
+    assert message is not None and "does not hold" in message
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"sync_every": 0}, "sync_every"),
+        ({"sync_every": "often"}, "sync_every"),
+        ({"sync_every": 2.5}, "sync_every"),
+        ({"outer_lr": 0}, "outer_lr"),
+        ({"outer_lr": float("nan")}, "outer_lr"),
+        ({"outer_momentum": -0.1}, "outer_momentum"),
+        ({"outer_momentum": 1.0}, "outer_momentum"),
+        ({"nesterov": "yes"}, "nesterov"),
+        ({"fragments": 0}, "fragments"),
+        ({"fragments": 8, "sync_every": 4}, "fragments"),
+        ({"overlap": -1}, "overlap"),
+        ({"overlap": 4, "sync_every": 4}, "overlap"),
+        ({"codec": "zip"}, "codec"),
+        ({"codec": "quant", "level": 3}, "level"),
+        ({"level": 8}, "level"),
+        ({"error_feedback": 1}, "error_feedback"),
+        ({"dtype": "float16"}, "dtype"),
+        ({"H": 10}, "unknown outer options"),
+    ],
+)
+def test_bad_outer_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        CompressionConfig(outer=options)
+
+
+def test_outer_with_a_per_step_codec_or_a_bad_value_is_an_error():
+    with pytest.raises(ValueError, match="outer.codec"):
+        CompressionConfig(codec="quant", level=8, outer={})
+    with pytest.raises(ValueError, match="OuterConfig"):
+        CompressionConfig(outer=50)
+
+
+def test_presets():
+    sparse = CompressionConfig.resolve("diloco-sparse").outer
+    assert (sparse.codec, sparse.level, sparse.error_feedback) == ("topk>quant", (0.02, 2), True)
+    assert CompressionConfig.resolve("diloco-int8").outer.level == 8
+    assert CompressionConfig.resolve("diloco").outer == OuterConfig()
+    assert all(CompressionConfig.resolve(name) for name in PRESETS)
