@@ -82,6 +82,11 @@ def missing_parts(parts: set[str]) -> list[str]:
     return problems
 
 
+_CHECKED_ENV = "CLOUDTRAIN_REQUIRE_CHECKED"
+"""Set once the parts were found working, so that pytest runs started by tests (which inherit
+the environment) do not check the same machine again."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config, "workerinput"):  # an xdist worker: the controller checked already
         return
@@ -89,8 +94,13 @@ def pytest_configure(config: pytest.Config) -> None:
         parts = required_parts()
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
+    key = ",".join(sorted(parts))
+    if os.environ.get(_CHECKED_ENV) == key:
+        return
     problems = missing_parts(parts)
-    if problems:
+    if not problems:
+        os.environ[_CHECKED_ENV] = key
+    else:
         raise pytest.UsageError(
             f"parts this machine must test are missing ({REQUIRE_ENV}={','.join(sorted(parts))}); "
             "the run fails instead of skipping them:\n  " + "\n  ".join(problems)
