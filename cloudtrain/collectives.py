@@ -5,13 +5,15 @@ and turns any failure - a peer that died (connection reset), one that stalled (t
 mismatch - into a CommError naming the stage, the peers and the step, instead of a hang or a
 bare gloo message.
 
-Compressed packets cross regions in one of two ways:
+An exchange can be issued now and waited for later (`Pending`), so a pipelined step can overlap
+a cross-region round trip with the next steps' compute. Compressed packets cross regions in one
+of two ways:
 - `exchange_fixed`: every sender's packet has the same size (known from the plan), so one
   all_gather moves them all;
 - `exchange_sized`: senders use different levels, so each sends its packet point-to-point to every
   other owner of the shard, and receives theirs with the sizes the plan announced.
-Both return the packets in region order, the sender's own included, so every owner of a shard
-decodes and sums the same bytes in the same order.
+Both return a Pending whose wait() gives the packets in region order, the sender's own included,
+so every owner of a shard decodes and sums the same bytes in the same order.
 """
 
 from __future__ import annotations
@@ -34,40 +36,95 @@ class CommError(RuntimeError):
     """A collective failed or timed out; the message names the stage and the peers."""
 
 
+class Pending:
+    """Collectives issued and not yet waited for: `wait()` waits at most the timeout and turns
+    any failure into a CommError naming the stage, the peers and where, then returns `result()`."""
+
+    __slots__ = ("_done", "_result", "_waiters", "peers", "stage", "timeout", "where", "works")
+
+    def __init__(
+        self,
+        stage: str,
+        peers: Sequence[int],
+        timeout: timedelta,
+        works: Sequence[Any],
+        result: Callable[[], Any] = lambda: None,
+        where: str = "",
+        waiters: Sequence[threading.Thread] = (),
+    ) -> None:
+        self.stage, self.peers, self.timeout, self.where = stage, list(peers), timeout, where
+        self.works = list(works)
+        self._result = result
+        self._waiters = list(waiters)
+        self._done = False
+
+    def wait(self) -> Any:
+        if not self._done:
+            t0 = time.monotonic()
+            try:
+                for work in self.works:
+                    work.wait(self.timeout)
+                for waiter in self._waiters:
+                    waiter.join()
+            except Exception as e:
+                raise self.error(e, time.monotonic() - t0) from e
+            self._done = True
+        return self._result()
+
+    def error(self, e: BaseException, waited: float) -> CommError:
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return CommError(
+            f"cloudtrain: {self.stage} with ranks {self.peers} failed on rank {dist.get_rank()}"
+            f"{self.where} after {waited:.1f}s: {cause}. A peer may have died or stalled (timeout "
+            f"{self.timeout.total_seconds():g}s, CompressionConfig.timeout_s)."
+        )
+
+
+def issue(
+    stage: str,
+    peers: Sequence[int],
+    timeout: timedelta,
+    start: Callable[[], Any],
+    where: str = "",
+    result: Callable[[], Any] = lambda: None,
+) -> Pending:
+    """Run `start()` (which issues async collectives and returns one Work or a list)."""
+    pending = Pending(stage, peers, timeout, (), result, where)
+    try:
+        works = start()
+    except Exception as e:
+        raise pending.error(e, 0.0) from e
+    pending.works = list(works) if isinstance(works, list) else [works]
+    return pending
+
+
 def finish(
     stage: str, peers: Sequence[int], timeout: timedelta, start: Callable[[], Any], where: str = ""
 ) -> None:
     """Run `start()` (which issues async collectives and returns one Work or a list) and wait."""
-    t0 = time.monotonic()
-    try:
-        works = start()
-        for work in works if isinstance(works, list) else [works]:
-            work.wait(timeout)
-    except Exception as e:
-        waited = time.monotonic() - t0
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CommError(
-            f"cloudtrain: {stage} with ranks {list(peers)} failed on rank {dist.get_rank()}{where} after "
-            f"{waited:.1f}s: {cause}. A peer may have died or stalled (timeout {timeout.total_seconds():g}s, "
-            "CompressionConfig.timeout_s)."
-        ) from e
+    issue(stage, peers, timeout, start, where).wait()
 
 
 def exchange_fixed(
     wire: torch.Tensor, peers: Sequence[int], group: Any, timeout: timedelta, where: str = ""
-) -> list[torch.Tensor]:
-    """All owners send equal-size packets: one all_gather. Returns packets in `peers` order."""
+) -> Pending:
+    """All owners send equal-size packets: one all_gather. `wait()` returns the packets in
+    `peers` order."""
     out = torch.empty(len(peers) * wire.numel(), dtype=torch.uint8)
-    finish(
+
+    def in_peer_order() -> list[torch.Tensor]:
+        rows = out.view(len(peers), wire.numel())
+        by_group_rank = sorted(peers)  # a group's ranks are ordered by global rank
+        return [rows[by_group_rank.index(p)] for p in peers]
+
+    return issue(
         "cross-region exchange (all_gather)",
         peers,
         timeout,
         lambda: all_gather_single(out, wire, group=group, async_op=True),
         where,
+        in_peer_order,
     )
-    rows = out.view(len(peers), wire.numel())
-    by_group_rank = sorted(peers)  # a group's ranks are ordered by global rank
-    return [rows[by_group_rank.index(p)] for p in peers]
 
 
 def exchange_sized(
@@ -79,8 +136,9 @@ def exchange_sized(
     timeout: timedelta,
     where: str = "",
     timings: dict[int, float] | None = None,
-) -> list[torch.Tensor]:
+) -> Pending:
     """Owners send packets of different sizes, known to all from the plan: point-to-point.
+    `wait()` returns the packets in `peers` order (this rank's own included).
 
     With `timings`, records for every peer the seconds from the start until its packet was in
     (the controller's passive bandwidth estimate).
@@ -92,40 +150,42 @@ def exchange_sized(
     received = [
         wire if i == me else torch.empty(size, dtype=torch.uint8) for i, size in enumerate(sizes)
     ]
-    sends: list[Any] = []
-    recvs: dict[int, Any] = {}
+    stage = "cross-region exchange (point-to-point)"
 
     def start() -> list[Any]:
+        works = []
         for i, peer in enumerate(peers):
             if i != me:
-                sends.append(dist.isend(wire, dst=peer, group=group))
-                recvs[i] = dist.irecv(received[i], src=peer, group=group)
-        return sends + list(recvs.values())
+                works.append(dist.isend(wire, dst=peer, group=group))
+                works.append(dist.irecv(received[i], src=peer, group=group))
+        return works
 
-    def start_and_time_arrivals() -> list[Any]:
-        # gloo completes a receive only inside wait(): one thread per peer waits and stamps it
-        t0 = time.monotonic()
-        start()
-        errors: list[BaseException] = []
+    pending = issue(stage, peers, timeout, start, where, lambda: received)
+    if timings is None:
+        return pending
+    # gloo completes a receive only inside wait(): one thread per peer waits and stamps it
+    t0 = time.monotonic()
+    errors: list[BaseException] = []
 
-        def wait_for(i: int, work: Any) -> None:
-            try:
-                work.wait(timeout)
-                timings[i] = time.monotonic() - t0
-            except BaseException as e:
-                errors.append(e)
+    def wait_for(i: int, work: Any) -> None:
+        try:
+            work.wait(timeout)
+            timings[i] = time.monotonic() - t0
+        except BaseException as e:
+            errors.append(e)
 
-        waiters = [
-            threading.Thread(target=wait_for, args=item, daemon=True) for item in recvs.items()
-        ]
-        for t in waiters:
-            t.start()
-        for t in waiters:
-            t.join()
+    receives = pending.works[1::2]  # (send, receive) per peer, in peer order
+    others = [i for i in range(len(peers)) if i != me]
+    waiters = [
+        threading.Thread(target=wait_for, args=(i, w), daemon=True)
+        for i, w in zip(others, receives, strict=True)
+    ]
+    for waiter in waiters:
+        waiter.start()
+
+    def received_or_raise() -> list[torch.Tensor]:
         if errors:
-            raise errors[0]
-        return sends
+            raise pending.error(errors[0], time.monotonic() - t0) from errors[0]
+        return received
 
-    stage = "cross-region exchange (point-to-point)"
-    finish(stage, peers, timeout, start if timings is None else start_and_time_arrivals, where)
-    return received
+    return Pending(stage, peers, timeout, pending.works[0::2], received_or_raise, where, waiters)

@@ -57,6 +57,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 "diloco-sparse" sends them SparseLoCo-style (top-k 2% -> 2-bit, error feedback), "diloco-int8"
 as INTELLECT-1 does (8-bit)."""
 
+MAX_STALENESS = 16
+"""The most steps an exchange may be applied late."""
 
 RESIDUAL_DTYPES = {str(d).removeprefix("torch."): d for d in feedback.RESIDUAL_DTYPES}
 """Residual dtypes by name, as ErrorFeedback keeps them."""
@@ -288,6 +290,11 @@ class CompressionConfig:
     """NaN/Inf in a gradient: "raise" (on every rank, the same step) or "pass" (every rank gets the
     same non-finite sum; AMP's GradScaler then skips the step). Residuals are never poisoned."""
 
+    staleness: int | None = None
+    """Apply each step's exchange across regions this many steps later, so its round trip hides
+    behind the next steps' compute (cloudtrain.pipeline). None: the controller's choice with
+    "auto", else 0. 0 is exact synchronous SGD."""
+
     verify_every: int = 0
     """Every N steps check that all replicas' parameters agree bit for bit (0: never)."""
 
@@ -348,7 +355,15 @@ class CompressionConfig:
             raise ValueError(f"rounding={self.rounding!r}; use one of {ROUNDINGS}")
         if self.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite={self.nonfinite!r}; use one of {NONFINITE}")
-        _number("verify_every (0 turns it off)", self.verify_every, 0, 2**63 - 1, integer=True)
+        _number("verify_every", self.verify_every, 0, 2**63 - 1, integer=True)
+        if self.staleness is not None:
+            _number(
+                "staleness",
+                self.staleness,
+                0,
+                MAX_STALENESS,
+                integer=True,
+            )
         if isinstance(self.controller, dict):
             object.__setattr__(self, "controller", ControllerOptions.from_dict(self.controller))
         elif not isinstance(self.controller, ControllerOptions):

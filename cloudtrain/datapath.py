@@ -22,13 +22,14 @@ the error feedback keeps nothing for it.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .collectives import (
+    Pending,
     all_gather_single,
     exchange_fixed,
     exchange_sized,
@@ -54,6 +55,48 @@ class Shard:
     """Elements of one shard."""
     mine: torch.Tensor | None
     """(m,) the region's sum of this rank's shard, or None when this rank owns no shard."""
+
+
+@dataclass
+class InFlight:
+    """A bucket whose exchange across regions was issued (`CrossRegion.start`) and is not yet
+    finished (`CrossRegion.finish`)."""
+
+    step: int
+    index: int
+    plan: Plan
+    shard: Shard
+    where: str
+    swap: Pending | None = None
+    """The packets' swap; None when this rank owns no shard (it only takes part in the gather)."""
+    arrivals: dict[int, tuple[int, float]] = field(default_factory=dict)
+
+
+class _Stamped:
+    """A swap's Pending that, once waited for, leaves each sender's (bytes, seconds) in
+    `arrivals`."""
+
+    __slots__ = ("_arrivals", "_pending", "_sizes", "_timings")
+
+    def __init__(
+        self,
+        pending: Pending,
+        timings: dict[int, float],
+        sizes: list[int],
+        arrivals: dict[int, tuple[int, float]],
+    ) -> None:
+        self._pending, self._timings, self._sizes, self._arrivals = (
+            pending,
+            timings,
+            sizes,
+            arrivals,
+        )
+
+    def wait(self) -> list[torch.Tensor]:
+        wires = self._pending.wait()
+        for region, seconds in self._timings.items():
+            self._arrivals[region] = (self._sizes[region], seconds)
+        return wires
 
 
 class CrossRegion:
@@ -82,13 +125,53 @@ class CrossRegion:
         self, buf: torch.Tensor, plan: Plan, step: int, index: int, where: str
     ) -> None:
         """Steps 2-4 for bucket `index` (already scaled), in place."""
+        result = self.finish(self.start(buf, plan, step, index, where))
+        if result.data_ptr() != buf.data_ptr():
+            buf.copy_(result)
+
+    def start(self, buf: torch.Tensor, plan: Plan, step: int, index: int, where: str) -> InFlight:
+        """Steps 2 and 3's first half: reduce in the region, encode, issue the swap."""
         shard = self.reduce_in_region(buf, where)
-        summed = None
+        flight = InFlight(step, index, plan, shard, where)
         if shard.mine is not None:
-            summed = self.exchange(shard.mine, plan, step, index, shard.n, where)
-        self.gather_in_region(shard, summed, where)
-        if shard.padded is not buf:
-            buf.copy_(shard.padded[: shard.n])
+            x, m, me = shard.mine, shard.m, self.topo.shard
+            bucket = index * self.topo.shards + me
+            wire = self.encode(x, plan, step, (index, me), bucket, valid=shard.n - me * m)
+            flight.swap = self.swap(wire, plan, m, x.dtype, where, flight.arrivals)
+        return flight
+
+    def finish(self, flight: InFlight) -> torch.Tensor:
+        """Steps 3's second half and 4: wait for the packets, check and sum them, gather in the
+        region. Returns the bucket's sum over all ranks (n elements, a view of shard.padded)."""
+        shard, summed = flight.shard, None
+        if flight.swap is not None:
+            with self.stats.timed("exchange"):
+                wires = flight.swap.wait()
+            if self.observer is not None:
+                for region, (nbytes, seconds) in flight.arrivals.items():
+                    self.observer.arrived(region, nbytes, seconds)
+            bucket = flight.index * self.topo.shards + self.topo.shard
+            with self.stats.timed("decode"):
+                summed = self.accumulate(
+                    wires, flight.plan, flight.step, bucket, shard.m, shard.mine.device
+                )
+        self.gather_in_region(shard, summed, flight.where)
+        return shard.padded[: shard.n]
+
+    def exchange(
+        self, x: torch.Tensor, plan: Plan, step: int, index: int, n: int, where: str
+    ) -> torch.Tensor:
+        """This rank's shard `x` of bucket `index` (n elements in all): compress, swap, sum.
+        Returns the sum over regions, float32, on x's device (no reduction or gather in the
+        region: for tensors every rank of a region already holds, e.g. pseudo-gradients)."""
+        shard, m = self.topo.shard, x.numel()
+        bucket = index * self.topo.shards + shard  # names the packets: (seed, step, bucket, region)
+        wire = self.encode(x, plan, step, (index, shard), bucket, valid=n - shard * m)
+        arrivals: dict[int, tuple[int, float]] = {}
+        with self.stats.timed("exchange"):
+            wires = self.swap(wire, plan, m, x.dtype, where, arrivals).wait()
+        with self.stats.timed("decode"):
+            return self.accumulate(wires, plan, step, bucket, m, x.device)
 
     # -- 2. inside the region -----------------------------------------------------------------
     def reduce_in_region(self, buf: torch.Tensor, where: str) -> Shard:
@@ -123,20 +206,6 @@ class CrossRegion:
         return Shard(padded, n, m, mine)
 
     # -- 3. across regions ----------------------------------------------------------------------
-    def exchange(
-        self, x: torch.Tensor, plan: Plan, step: int, index: int, n: int, where: str
-    ) -> torch.Tensor:
-        """This rank's shard `x` of bucket `index` (n elements in all): compress, swap, sum.
-        Returns the sum over regions, float32, on x's device."""
-        topo = self.topo
-        shard, m = topo.shard, x.numel()
-        bucket = index * topo.shards + shard  # names the packets: (seed, step, bucket, region)
-        wire = self.encode(x, plan, step, (index, shard), bucket, valid=n - shard * m)
-        with self.stats.timed("exchange"):
-            wires = self.swap(wire, plan, m, x.dtype, where)
-        with self.stats.timed("decode"):
-            return self.accumulate(wires, plan, step, bucket, m, x.device)
-
     def encode(
         self,
         x: torch.Tensor,
@@ -160,9 +229,17 @@ class CrossRegion:
             return to_wire(packet)
 
     def swap(
-        self, wire: torch.Tensor, plan: Plan, m: int, dtype: torch.dtype, where: str
-    ) -> list[torch.Tensor]:
-        """Every region's packet for this shard, in region order (this rank's own included)."""
+        self,
+        wire: torch.Tensor,
+        plan: Plan,
+        m: int,
+        dtype: torch.dtype,
+        where: str,
+        arrivals: dict[int, tuple[int, float]],
+    ) -> Pending:
+        """Issue the swap of this shard's packets with the other regions' owners; wait() gives
+        every region's packet in region order (this rank's own included). With an observer,
+        `arrivals` gets (bytes, seconds until it arrived) per sender region."""
         topo = self.topo
         peers = topo.shard_owners(topo.shard)
         group = topo.group(f"cross{topo.shard}")
@@ -172,10 +249,12 @@ class CrossRegion:
         # per-sender sizes, known to all from the plan; arrivals timed for the controller
         sizes = [self.codecs.wire_nbytes(rung, m, dtype) for rung in plan.senders]
         timings: dict[int, float] | None = {} if self.observer is not None else None
-        wires = exchange_sized(wire, sizes, peers, topo.region, group, self.timeout, where, timings)
-        for region, seconds in (timings or {}).items():
-            self.observer.arrived(region, sizes[region], seconds)
-        return wires
+        pending = exchange_sized(
+            wire, sizes, peers, topo.region, group, self.timeout, where, timings
+        )
+        if timings is not None:
+            pending = _Stamped(pending, timings, sizes, arrivals)
+        return pending
 
     def accumulate(
         self,

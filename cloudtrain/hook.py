@@ -41,6 +41,7 @@ from .compress.codecs import all_finite
 from .config import AUTO, CompressionConfig
 from .datapath import CrossRegion
 from .layout import BucketLayouts, Unit
+from .pipeline import Pipeline
 from .plan import NONE, Codecs, Plan
 from .stats import CommStats, Observer, ring_wan_bytes
 from .topology import Topology
@@ -84,6 +85,7 @@ class CommState:
         "param_names",
         "params",
         "path",
+        "pipeline",
         "plan",
         "region_only",
         "stats",
@@ -125,6 +127,7 @@ class CommState:
             self.controller = Controller(config, topo, self.codecs, self.shard_numels(), device)
         timed = self.observer if self.controller is not None else None
         self.path = CrossRegion(config, topo, self.codecs, self.ef, self.stats, timed)
+        self.pipeline = Pipeline()
         self.plan = self._first_plan()
         self._first_of_step = True
         self._step_futures: list[torch.futures.Future] | None = None
@@ -139,16 +142,18 @@ class CommState:
         if self.config.codec == AUTO:  # one region: nothing crosses a slow link
             return Plan.same(NONE, regions)
         level = self.codecs(self.config.codec).check_level(self.config.level)
-        return Plan.same((self.config.codec, level), regions)
+        return Plan.same((self.config.codec, level), regions, self.config.staleness or 0)
 
     def shard_numels(self) -> list[int]:
         return self.layouts.shard_numels(self.topo.shards, self.params)
 
     @property
     def direct(self) -> bool:
-        """Buckets are all-reduced from the hook: one region, nothing compressed, or reduced
-        inside the region only."""
-        return self.topo.single_region or self.plan.lossless or self.region_only
+        """Buckets are all-reduced from the hook: one region, reduced inside the region only, or
+        nothing compressed and nothing in the pipeline."""
+        if self.topo.single_region or self.region_only:
+            return True
+        return self.plan.lossless and self.plan.staleness == 0 and not self.pipeline
 
     # -- the hook --------------------------------------------------------------------------------
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -323,14 +328,37 @@ class CommState:
         """
         buf = job.buffer
         buf.mul_(1.0 / self.topo.world_size)  # as DDP: times the reciprocal, not divided
-        for unit in self.layouts.units(job.index, job.signature, self.ef):
-            self._reduce_unit(unit, buf)
+        units = self.layouts.units(job.index, job.signature, self.ef)
+        staleness = self.plan.staleness
+        if staleness == 0 and not self.pipeline:  # synchronous: in place
+            for unit in units:
+                self._reduce_unit(unit, buf)
+        else:  # pipelined: start this step's exchanges, apply those due now (cloudtrain.pipeline)
+            for unit in units:
+                where = f" at step {self.step}, bucket {unit.index}"
+                flight = self.path.start(
+                    self._piece(unit, buf), self.plan, self.step, unit.index, where
+                )
+                self.pipeline.add(self.step, unit.layout, flight)
+            buf.zero_()
+            self.pipeline.apply_due(self.step - staleness, job.signature, buf, self.path.finish)
         self._check_finite(buf, self.step, job.index)
         if job.is_last:
             self.stats.compressed_steps += 1
             self._end_step()
             self.observer.step_started()
         return buf
+
+    def _piece(self, unit: Unit, buf: torch.Tensor) -> torch.Tensor:
+        """A copy of the unit's gradient, with its parameters' pending residuals added."""
+        if unit.placement is None:
+            piece = buf.clone()
+        else:
+            piece = buf.new_empty(sum(numel for _, _, numel in unit.layout))
+            for (_, here, numel), (_, there, _) in zip(unit.layout, unit.placement, strict=True):
+                piece[here : here + numel] = buf[there : there + numel]
+        self.layouts.inject(unit.layout, piece)
+        return piece
 
     def _reduce_unit(self, unit: Unit, buf: torch.Tensor) -> None:
         where = f" at step {self.step}, bucket {unit.index}"
@@ -380,6 +408,10 @@ class CommState:
 
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """This rank's state. With exchanges in flight (staleness > 0) they are finished first -
+        collectives: every rank must call it at the same step, as checkpoints do."""
+        if any(f.values is None for f in self.pipeline.flights):
+            self.pipeline.finish_all(self.path.finish)
         residuals = (
             {}
             if self.ef is None
@@ -395,6 +427,7 @@ class CommState:
             "residuals": residuals,
             "controller": None if self.controller is None else self.controller.state_dict(),
             "stats": self.stats.state_dict(),
+            "pipeline": self.pipeline.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -420,6 +453,8 @@ class CommState:
             # another cluster shape: shards have new owners, so residuals go back into gradients
             self.layouts.release_all(self.ef)
         self.stats.load_state_dict(state["stats"])
+        device = self.params[0].device if self.params else "cpu"
+        self.pipeline.load_state_dict(state.get("pipeline", []), device)
         self.observer.reset()
         if self.controller is not None and state.get("controller") is not None:
             self.controller.load_state_dict(state["controller"])

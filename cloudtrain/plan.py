@@ -1,7 +1,7 @@
 """What crosses regions this step: the `Plan`, and the codecs it names, built once from the config.
 
 A plan gives, for every region (by region index), the (codec name, level) its shard owners send
-with. It is fixed by the config, or decided by the controller on rank 0 and broadcast, so every
+with, and the staleness at which a step's exchange is applied. It is fixed by the config, or decided by the controller on rank 0 and broadcast, so every
 rank knows every packet's size before any collective starts - the invariant that keeps ranks
 from disagreeing about a collective's shape. The hook and the controller both import this
 module; it imports neither.
@@ -32,10 +32,12 @@ class Plan:
     """What each region's shard owners send: (codec name, level) by region index."""
 
     senders: tuple[Rung, ...]
+    staleness: int = 0
+    """Steps after which a step's exchange is applied (cloudtrain.pipeline); 0: synchronous."""
 
     @classmethod
-    def same(cls, rung: Rung, regions: int) -> Plan:
-        return cls(tuple(rung for _ in range(regions)))
+    def same(cls, rung: Rung, regions: int, staleness: int = 0) -> Plan:
+        return cls(tuple(rung for _ in range(regions)), staleness)
 
     @property
     def uniform(self) -> bool:
