@@ -1,0 +1,147 @@
+"""CloudDDP's lossy path in every DDP mode gives the gradients it should, not merely the same on
+every replica: each step's gradients must be bit for bit those of a reference replay of the data
+path (tests/replay.py) fed with each rank's local gradient from an unwrapped copy of the model.
+The lossless path in the same modes is compared with plain DDP in test_ddp_contract.py.
+
+And error feedback loses nothing: summed over the steps, the gradient applied plus every rank's
+residual is, per parameter, the sum of the gradients - with find_unused_parameters too.
+
+    .venv/bin/python -m pytest tests/test_ddp_parity.py -x -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_ranks
+from replay import Replay, every_rank, flat_gradient
+from test_ddp import Branchy, batch, loss_of, make_model
+
+WORLD = 2
+STEPS = 8
+TIMEOUT_S = 30.0
+CONFIG = "topk-1pct"
+MODES = ("bf16", "fp16", "amp", "no_sync", "unused", "static_graph")
+
+
+def _model(mode: str) -> torch.nn.Module:
+    if mode in ("unused", "static_graph"):
+        return Branchy()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, torch.float32)
+    return make_model(dtype=dtype)
+
+
+def _loss(model, mode: str, rank: int, step: int) -> torch.Tensor:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, torch.float32)
+    x, y = batch(rank, step, dtype)
+    if mode == "unused":  # rank 1 leaves head_b out on odd steps, rank 0 never does
+        return torch.nn.functional.cross_entropy(model(x, use_b=rank == 0 or step % 2 == 0), y)
+    if mode == "static_graph":  # head_b is never used
+        return torch.nn.functional.cross_entropy(model(x, use_b=False), y)
+    if mode == "amp":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss_of(model, x, y)
+    return loss_of(model, x, y)
+
+
+def _backward(model, mode: str, rank: int, step: int, scaler) -> None:
+    loss = _loss(model, mode, rank, step)
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
+def _versus_replay(rank, world, mode):
+    """Train CloudDDP; alongside, an unwrapped copy on the same weights gives this rank's local
+    gradient, and the replay turns every rank's into what the bucket must hold."""
+    import cloudtrain
+    from cloudtrain import CompressionConfig
+
+    cfg = CompressionConfig.resolve(CONFIG, regions="per-rank", timeout_s=TIMEOUT_S)
+    kwargs = {
+        "unused": {"find_unused_parameters": True},
+        "static_graph": {"static_graph": True},
+    }.get(mode, {})
+    model, shadow = _model(mode), _model(mode)
+    cloud = cloudtrain.CloudDDP(model, cfg, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if mode == "amp" else None
+    shadow_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if mode == "amp" else None
+    replay = Replay(cfg, cloud.topology.members, world)
+    params, shadow_params = list(model.parameters()), list(shadow.parameters())
+    mismatches, untouched = [], 0
+    for step in range(STEPS):
+        if mode == "no_sync":  # two micro-batches accumulate locally, the third syncs
+            with cloud.no_sync():
+                for micro in range(2):
+                    _backward(cloud, mode, rank, 100 * step + micro, scaler)
+                    _backward(shadow, mode, rank, 100 * step + micro, shadow_scaler)
+        _backward(cloud, mode, rank, step, scaler)
+        _backward(shadow, mode, rank, step, shadow_scaler)
+        (layout,) = cloud.comm.layouts.layouts.values()
+        flats = every_rank(flat_gradient(shadow_params, layout), world)
+        expected = replay.bucket(step, layout, flats)
+        for pi, offset, numel in layout:
+            want = expected[offset : offset + numel].view_as(params[pi])
+            got = params[pi].grad
+            if got is None:  # unused on every rank: DDP leaves the gradient alone
+                assert all(f[offset : offset + numel].eq(0).all() for f in flats)
+                untouched += 1
+            elif not torch.equal(got, want):
+                worst = (got.float() - want.float()).abs().max().item()
+                mismatches.append((step, pi, worst))
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        shadow.zero_grad()
+        with torch.no_grad():  # the shadow follows the replicas' weights
+            for s, p in zip(shadow_params, params, strict=True):
+                s.copy_(p)
+    sent = cloud.stats().wan_bytes_sent
+    return mismatches, untouched, cloud.comm.step, sent, [p.detach().clone() for p in params]
+
+
+def _every_mode(rank, world, modes):
+    """All modes in one spawn (importing torch's compiler stack, which DDP does, costs ~10 s a
+    process on a loaded machine); a mode that raises gives its traceback instead."""
+    import traceback
+
+    import torch.distributed as dist
+
+    import cloudtrain
+
+    cloudtrain.init(timeout_s=TIMEOUT_S)
+    results = {}
+    for mode in modes:
+        try:
+            results[mode] = _versus_replay(rank, world, mode)
+        except Exception:
+            results[mode] = traceback.format_exc()
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def replayed() -> list[dict]:
+    """Every mode's results by rank."""
+    return run_ranks(WORLD, _every_mode, MODES, timeout=600)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lossy_gradients_equal_the_reference_replay(replayed, mode):
+    results = [by_mode[mode] for by_mode in replayed]
+    for rank, out in enumerate(results):
+        assert isinstance(out, tuple), f"rank {rank} raised in mode {mode}:\n{out}"
+    for rank, (mismatches, untouched, comm_steps, sent, _) in enumerate(results):
+        assert mismatches == [], (
+            f"rank {rank}: (step, parameter, max |diff|) where CloudDDP's gradient is not the "
+            f"replay's: {mismatches[:6]}"
+        )
+        assert comm_steps == STEPS and sent > 0
+        if mode == "static_graph":
+            assert untouched == 2 * STEPS, "head_b (weight, bias) is never used"
+        else:
+            assert untouched == 0
+    for a, b in zip(results[0][4], results[1][4], strict=True):
+        assert torch.equal(a, b), "replicas differ"
