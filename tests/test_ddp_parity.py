@@ -103,8 +103,9 @@ def _versus_replay(rank, world, mode):
 
 
 def _every_mode(rank, world, modes):
-    """All modes in one spawn (importing torch's compiler stack, which DDP does, costs ~10 s a
-    process on a loaded machine); a mode that raises gives its traceback instead."""
+    """All modes, then the conservation run, in one spawn (importing torch's compiler stack,
+    which DDP does, costs ~10 s a process on a loaded machine); a mode that raises gives its
+    traceback instead."""
     import traceback
 
     import torch.distributed as dist
@@ -115,7 +116,10 @@ def _every_mode(rank, world, modes):
     results = {}
     for mode in modes:
         try:
-            results[mode] = _versus_replay(rank, world, mode)
+            if mode == "conservation":
+                results[mode] = _conservation(rank, world)
+            else:
+                results[mode] = _versus_replay(rank, world, mode)
         except Exception:
             results[mode] = traceback.format_exc()
         dist.barrier()
@@ -125,7 +129,7 @@ def _every_mode(rank, world, modes):
 @pytest.fixture(scope="module")
 def replayed() -> list[dict]:
     """Every mode's results by rank."""
-    return run_ranks(WORLD, _every_mode, MODES, timeout=600)
+    return run_ranks(WORLD, _every_mode, [*MODES, "conservation"], timeout=600)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -145,3 +149,90 @@ def test_lossy_gradients_equal_the_reference_replay(replayed, mode):
             assert untouched == 0
     for a, b in zip(results[0][4], results[1][4], strict=True):
         assert torch.equal(a, b), "replicas differ"
+
+
+# -- error feedback conserves the gradient --------------------------------------------------------
+
+CONSERVATION_STEPS = 12
+
+
+def _conservation(rank, world):
+    """Plain SGD, top-k 10 %, find_unused_parameters, head_b used at step 0 only (on every
+    rank). Per parameter, in float64: the gradients applied over the steps, every rank's residual
+    (held by the error feedback or waiting for its parameter), and the sum of every rank's local
+    gradients / world."""
+    import torch.distributed as dist
+
+    import cloudtrain
+    from cloudtrain import CompressionConfig
+
+    cloudtrain.init(timeout_s=TIMEOUT_S)
+    cfg = CompressionConfig.resolve("topk:0.1", regions="per-rank", timeout_s=TIMEOUT_S)
+    model, shadow = Branchy(), Branchy()
+    cloud = cloudtrain.CloudDDP(model, cfg, find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    params, shadow_params = list(model.parameters()), list(shadow.parameters())
+    names = [name for name, _ in model.named_parameters()]
+    applied = [torch.zeros(p.numel(), dtype=torch.float64) for p in params]
+    truth = [torch.zeros(p.numel(), dtype=torch.float64) for p in params]
+    for step in range(CONSERVATION_STEPS):
+        x, y = batch(rank, step)
+        for m in (cloud, shadow):
+            torch.nn.functional.cross_entropy(m(x, use_b=step == 0), y).backward()
+        for i, (p, s) in enumerate(zip(params, shadow_params, strict=True)):
+            local = torch.zeros(p.numel()) if s.grad is None else s.grad.reshape(-1) / world
+            dist.all_reduce(local)
+            truth[i] += local.double()
+            if p.grad is not None:
+                applied[i] += p.grad.reshape(-1).double()
+        opt.step()
+        opt.zero_grad()
+        shadow.zero_grad()
+        with torch.no_grad():
+            for s, p in zip(shadow_params, params, strict=True):
+                s.copy_(p)
+    held = [torch.zeros(p.numel(), dtype=torch.float64) for p in params]
+    layouts = cloud.comm.layouts
+    for (index, shard), residual in cloud.comm.ef.residuals.items():
+        m = residual.numel()
+        for pi, offset, numel in layouts.layouts[index]:
+            a, b = max(shard * m, offset), min((shard + 1) * m, offset + numel)
+            if a < b:
+                held[pi][a - offset : b - offset] += residual[
+                    a - shard * m : b - shard * m
+                ].double()
+    for pi, pieces in layouts.pending.items():
+        for start, piece in pieces:
+            held[pi][start : start + piece.numel()] += piece.double()
+    for h in held:
+        dist.all_reduce(h)
+    return names, applied, held, truth
+
+
+def _lost(replayed: list[dict], heads: tuple[str, ...]) -> dict[str, str]:
+    """Parameters of `heads` whose gradient is not all in the updates and the residuals."""
+    out = replayed[0]["conservation"]
+    assert isinstance(out, tuple), f"rank 0 raised:\n{out}"
+    lost = {}
+    for name, a, h, t in zip(*out, strict=True):
+        if not name.startswith(heads):
+            continue
+        gap = (t - a - h).abs().max().item()
+        if gap > 1e-6 * max(1.0, t.abs().max().item()):
+            lost[name] = f"{(t - a - h).norm().item() / t.norm().item():.1%} of its gradient"
+    return lost
+
+
+def test_error_feedback_loses_nothing_of_parameters_used_every_step(replayed):
+    lost = _lost(replayed, ("body", "head_a"))
+    assert not lost, f"error feedback lost gradient mass: {lost}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a parameter unused on every rank: its residual goes into the bucket, top-k sends "
+    "part of it, and DDP does not write that slot back to .grad - the hook never reclaims it",
+)
+def test_error_feedback_loses_nothing_of_a_head_unused_after_step_0(replayed):
+    lost = _lost(replayed, ("head_b",))
+    assert not lost, f"error feedback lost gradient mass: {lost}"
