@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-METHODS = ("compute", "ddp", "fp16", "powersgd", "cloud-auto", "cloud-topk-1pct")
+METHODS = ("compute", "ddp", "fp16", "powersgd", "cloud-auto", "cloud-topk-1pct", "cloud-diloco")
 LABELS = {
     "compute": "compute only (loopback)",
     "ddp": "DDP",
@@ -57,6 +57,7 @@ LABELS = {
     "powersgd": "DDP + PowerSGD hook",
     "cloud-auto": 'CloudDDP "auto"',
     "cloud-topk-1pct": 'CloudDDP "topk-1pct"',
+    "cloud-diloco": 'CloudDDP "diloco" (outer loop)',
 }
 
 
@@ -84,7 +85,7 @@ UNSHAPED_MBIT = 1e5
 # -- the worker: one rank of one method ----------------------------------------------------------
 
 
-def _wrap(method: str, model, world: int):
+def _wrap(method: str, model, world: int, opt=None):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
@@ -109,7 +110,7 @@ def _wrap(method: str, model, world: int):
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return ddp
     preset = method.removeprefix("cloud-")
-    return cloudtrain.CloudDDP(model, preset)
+    return cloudtrain.CloudDDP(model, preset, optimizer=opt)  # the outer loop hooks opt.step()
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -131,8 +132,8 @@ def worker(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = digits(args.seed)
     model = digits_mlp(args.hidden)
-    ddp = _wrap(args.method, model, world)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    ddp = _wrap(args.method, model, world, opt)
     batches = torch.Generator().manual_seed(args.seed + 1)
     per_rank = args.batch // world
     step_times, curve = [], []
@@ -145,6 +146,8 @@ def worker(args: argparse.Namespace) -> int:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if step + 1 == args.steps and hasattr(ddp, "finish_outer"):
+            ddp.finish_outer()  # an outer loop's last sync: the replicas become one model
         took = time.perf_counter() - t0
         step_times.append(took)
         trained += took
