@@ -571,6 +571,9 @@ class Checkpointer:
         self.region, self.uri = self._resolve(uri, region)
         self._store = _open_store(self.uri, self.s3)
         self._stores: dict[str, _LocalStore | _S3Store] = {self.uri: self._store}
+        # The files latest_step() verified, by (root, step, name, sha256): the load() that
+        # usually follows takes them from here instead of reading them twice. One step only.
+        self._verified: dict[tuple[str, int, str, str], bytes] = {}
 
     @staticmethod
     def _resolve(uri: str | Mapping[str, str], region: str | None) -> tuple[str | None, str]:
@@ -856,6 +859,9 @@ class Checkpointer:
 
     def _read_verified(self, step: int, entry: dict[str, Any]) -> bytes:
         """The stored bytes of one file, checked against its size and sha256; _Incomplete if not."""
+        cached = self._verified.pop((entry["root"], step, entry["name"], entry["sha256"]), None)
+        if cached is not None:
+            return cached
         store = self._store_at(entry["root"])
         key = f"{step_dir(step)}/{entry['name']}"
         try:
@@ -879,10 +885,11 @@ class Checkpointer:
         rank: int | None,
         world_size: int,
         strict_world_size: bool,
-    ) -> tuple[dict[str, Any], dict[str, bytes]] | None:
+    ) -> tuple[dict[str, Any], dict[str, bytes], dict[str, dict[str, Any]]] | None:
         """The newest step (or `step`) whose manifest and this rank's files verify on every rank:
         (manifest, verified bytes by name). Rank 0 lists its store and reads the manifest; every
-        rank reads its own files. None if nothing verifies (`self._skipped` says why)."""
+        rank reads its own files, and the entries they were checked against (same keys). None if
+        nothing verifies (`self._skipped` says why)."""
         ranks = _Ranks(self.timeout_s)
         reads_manifest = rank in (0, None) or not ranks.many  # rank 0, or a process alone
         listing: tuple[list[int], str | None] = ([], None)
@@ -909,6 +916,7 @@ class Checkpointer:
             if fatal:
                 raise CheckpointError(f"cannot read the manifest of {where} on rank 0: {fatal}")
             blobs: dict[str, bytes] = {}
+            entries: dict[str, dict[str, Any]] = {}
             if manifest is not None:
                 problem, fatal = None, None
                 try:
@@ -921,7 +929,8 @@ class Checkpointer:
                             "load(strict_world_size=False) to restore only the model and "
                             "optimizer"
                         )
-                    for name, entry in self._needed(manifest, rank, per_rank).items():
+                    entries = self._needed(manifest, rank, per_rank)
+                    for name, entry in entries.items():
                         blobs[name] = self._read_verified(candidate, entry)
                 except _Incomplete as why:
                     problem = f"{where}: {why}"
@@ -947,7 +956,7 @@ class Checkpointer:
                             candidate,
                             self._skipped,
                         )
-                    return manifest, blobs
+                    return manifest, blobs, entries
                 problem = "; ".join(problems)
             log.warning("checkpoint: not using step %d: %s", candidate, problem)
             self._skipped.append(str(problem))
@@ -962,7 +971,15 @@ class Checkpointer:
             found = self._find(None, None, 0, strict_world_size=False)
         else:
             found = self._find(None, dist.get_rank(), dist.get_world_size(), False)
-        return None if found is None else found[0]["step"]
+        self._verified = {}
+        if found is None:
+            return None
+        manifest, blobs, entries = found
+        step = manifest["step"]
+        self._verified = {
+            (e["root"], step, e["name"], e["sha256"]): blobs[key] for key, e in entries.items()
+        }
+        return step
 
     def load(
         self,
@@ -997,7 +1014,8 @@ class Checkpointer:
                 f"no complete checkpoint under {self.uri}{detail}. Check the URI, or start from "
                 "scratch: call load() only when latest_step() is not None"
             )
-        manifest, blobs = found
+        self._verified = {}
+        manifest, blobs, _ = found
         folder = step_dir(manifest["step"])
 
         def read(name: str) -> Any:

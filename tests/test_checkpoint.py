@@ -618,3 +618,18 @@ def test_region_templates(tmp_path, monkeypatch) -> None:
     assert Checkpointer(by_region).uri == str(tmp_path / "us")
     with pytest.raises(CheckpointError, match=r"no checkpoint URI for region 'ap-south-1'"):
         Checkpointer(by_region, region="ap-south-1")
+
+
+def test_load_after_latest_step_reads_nothing_twice(store: Store) -> None:
+    """latest_step() verifies every file of the step; the load() that follows takes those same
+    verified bytes (keyed by their sha256) instead of downloading them again."""
+    ckpt = store.checkpointer()
+    _save(ckpt, 1, seed=1)
+    _save(ckpt, 2, seed=2)
+    assert ckpt.latest_step() == 2
+    key = f"{step_dir(2)}/{rank_file(0)}"
+    data = bytearray(store.get(key))
+    data[-5] ^= 0xFF
+    store.put(key, bytes(data))  # changed after the check: this load does not read it again
+    assert ckpt.load()["comm_state"] == {"seed": 2}
+    assert ckpt.load()["comm_state"] == {"seed": 1}  # nothing cached now: the change is seen
