@@ -513,6 +513,20 @@ def test_down_cleans_up_after_sigkill(unique_name, state_file):
 
 
 @needs_root
+def test_a_relay_whose_namespace_was_deleted_by_hand_is_still_stopped(unique_name):
+    """`ip netns del` of the wan namespace only unmounts it: the relay inside keeps it (and its
+    TAPs) alive, out of `ip netns list`'s sight. teardown finds the relay by its command line."""
+    name = unique_name()
+    wan = Emulator({"us": 1, "eu": 1}, 100, rtt_ms=20, name=name).up(persist=True)
+    relays = relay_pids(name)
+    assert len(relays) == 2 and sorted(relays) == sorted(netem.relay_processes(name))
+    subprocess.run(["ip", "netns", "del", wan.wan_namespace], check=True)
+    assert not any(map(gone, relays))
+    teardown(name)
+    assert wait_gone(relays) and our_namespaces(name) == set()
+
+
+@needs_root
 def test_teardown_never_touches_a_namespace_it_did_not_create(unique_name):
     name = unique_name()
     foreign = [f"ct-{name}-wan", f"ct-{name}-r0"]  # named like ours, made by someone else

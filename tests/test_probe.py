@@ -50,7 +50,7 @@ def wan_name():
     name = f"p{os.getpid() % 100000}-{uuid.uuid4().hex[:6]}"
     yield name
     teardown(name)
-    assert netem.leftovers(name) == []
+    assert netem.leftovers(name) == [] and netem.relay_processes(name) == []
 
 
 def run_probe(wan: Emulator) -> dict:

@@ -54,8 +54,9 @@ will create (namespaces, later the relays' pids). Every namespace it creates is 
 `ct-<name>-(wan|r<N>)` and carries a marker (the alias `cloudtrain-netem:<name>` on its loopback),
 so `teardown(name)` and `teardown(None)` (every emulator) find leftovers even when the state file
 is lost, and never touch a namespace this module did not create, whatever its name. Relays are
-killed by pid from the state file and, as processes inside the wan namespace, with every other
-process started in our namespaces; deleting the namespaces deletes every interface in them. The
+found by their command line (which names their emulator; the state file records their pids too)
+and killed first, with every other process started in our namespaces: a process left inside
+would keep a deleted namespace alive. Deleting the namespaces deletes every interface in them. The
 context manager, atexit and SIGTERM/SIGHUP clean up; after a SIGKILL run
 `cloudtrain netem down --name NAME` (or `--all`).
 
@@ -590,14 +591,21 @@ def leftovers(name: str | None = None) -> list[str]:
     return found
 
 
-def _relay_pids(state: Mapping[str, Any]) -> list[int]:
-    """The state's relay pids that still run a relay of that emulator (a pid may be reused)."""
+def relay_processes(name: str | None = None) -> list[int]:
+    """Pids of the live relay processes of emulator `name` (of every emulator when None), found
+    by their command line in /proc: also those whose namespace or state file is already gone
+    (a relay still running keeps its namespace alive, out of `ip netns list`'s sight)."""
+    want = None if name is None else f"--name={check_name(name)}".encode()
     pids = []
-    for pid in (state.get("relays") or {}).values():
-        with contextlib.suppress(OSError, TypeError, ValueError):
-            argv = Path(f"/proc/{int(pid)}/cmdline").read_bytes().split(b"\0")
-            if b"relay" in argv and f"--name={state.get('name')}".encode() in argv:
-                pids.append(int(pid))
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or _zombie(int(proc.name)):
+            continue
+        with contextlib.suppress(OSError):
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"cloudtrain.tools.netem" in argv and b"relay" in argv:
+                names = [a for a in argv if a.startswith(b"--name=")]
+                if names and (want is None or names[0] == want):
+                    pids.append(int(proc.name))
     return pids
 
 
@@ -634,12 +642,13 @@ def teardown(name: str | None = None) -> list[str]:
     removing nothing is not an error."""
     names = [check_name(name)] if name is not None else _state_names()
     namespaces = set(leftovers(name))
-    pids: set[int] = set()
     for n in names:
-        state = _read_state(n)
-        pids.update(_relay_pids(state))
-        recorded = set(state.get("namespaces") or []) & set(_namespaces())
+        recorded = set(_read_state(n).get("namespaces") or []) & set(_namespaces())
         namespaces.update(ns for ns in recorded if _marker_of(ns) == n)
+    # Relays by name only for emulators seen here (state file or marked namespace): `--all`
+    # must not reach an emulator that is none of this view's business.
+    seen = set(names) | {m[1] for ns in namespaces if (m := _NS_RE.fullmatch(ns))}
+    pids = {pid for n in seen for pid in relay_processes(n)}
     ordered = sorted(namespaces, key=lambda ns: ns.endswith("-wan"))  # ranks first, wan last
     for ns in ordered:
         out = _run(["ip", "netns", "pids", ns], check=False)
