@@ -472,6 +472,8 @@ def _regions_worker(rank: int, world: int, template: str, moto: str, tmp: str) -
     out["split_region"] = failure(Checkpointer(other, s3=s3))
     # local folders that differ from rank to rank: no manifest can describe them
     out["local"] = failure(Checkpointer(f"{tmp}/rank{rank}"))
+    # eu-west-1 on a local folder, us-east-1 in S3: rank 0 could never read back that shard
+    out["mixed"] = failure(Checkpointer(f"{tmp}/eu" if rank == 2 else template, s3=s3))
     # the first rank of eu-west-1 was not given the model rank 0 writes
     try:
         Checkpointer(template, s3=s3).save(
@@ -510,6 +512,7 @@ def test_two_regions_write_to_their_own_buckets_and_resume(aws: str, tmp_path) -
         assert "ranks of region 'us-east-1' write to different places" in out["split_region"]
         assert "s3://ckpt-elsewhere/run" in out["split_region"]
         assert "never other hosts' local folders" in out["local"]
+        assert "of schemes ['', 's3']" in out["mixed"]
         assert "rank 2 writes the model and optimizer to" in out["no_model"]
 
     def keys(bucket: str) -> list[str]:
