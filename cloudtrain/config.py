@@ -382,6 +382,12 @@ class CompressionConfig:
                 f"codec={self.codec!r} with an outer loop: gradients then never cross regions "
                 "per step; give the pseudo-gradients' codec as outer.codec and leave codec unset"
             )
+        if self.outer is not None and self.verify_every:
+            raise ValueError(
+                f"verify_every={self.verify_every} with an outer loop: regions' replicas differ "
+                "between syncs by design; leave verify_every at 0 and call verify_replicas() "
+                "after CloudDDP.finish_outer()"
+            )
 
     @classmethod
     def resolve(

@@ -124,7 +124,8 @@ def choose_schedule(
         raise ValueError("choose_schedule: numel, links, shards and fragments must be positive")
     if not (math.isfinite(step_s) and step_s > 0):
         raise ValueError(f"choose_schedule: step_s={step_s!r} must be a positive time")
-    m = -(-(-(-numel // fragments)) // shards)  # elements of one shard of one fragment
+    per_fragment = -(-numel // fragments)
+    m = -(-per_fragment // shards)  # elements of one shard of the largest fragment
     receivers = len(links) - 1
     candidates = [sync_every] if sync_every != AUTO else list(SYNC_CHOICES)
     candidates = [h for h in candidates if h > overlap and h >= fragments] or [
@@ -175,9 +176,10 @@ def _own_groups(topo: Topology, timeout: Any) -> Topology:
     own = dataclasses.replace(topo, groups={"control": topo.groups["control"]})
     if topo.single_region:
         return own
-    backend = dist.get_backend()
+    # gloo, on CPU copies, also inside the region: NCCL collectives issued from two threads on
+    # one device can be queued in different orders on different ranks and deadlock
     for index, ranks in enumerate(topo.members):
-        own.groups[f"region{index}"] = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+        own.groups[f"region{index}"] = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
     for shard in range(topo.shards):
         own.groups[f"cross{shard}"] = dist.new_group(
             list(topo.shard_owners(shard)), timeout=timeout, backend="gloo"
@@ -369,6 +371,8 @@ class OuterLoop:
             return delta
         assert self.schedule is not None
         where = f" at outer step {step}, fragment {f}"
+        device = delta.device
+        delta = delta.cpu()  # the groups are gloo's (_own_groups)
         n, shards = delta.numel(), topo.shards
         m = -(-n // shards)
         padded = delta if n == shards * m else torch.cat([delta, delta.new_zeros(shards * m - n)])
@@ -380,7 +384,7 @@ class OuterLoop:
             plan = Plan(self.schedule.rungs)
             summed = self.path.exchange(mine, plan, step, f, n, where)
         self.path.gather_in_region(Shard(padded, n, m, mine), summed, where)
-        return padded[:n] / regions
+        return (padded[:n] / regions).to(device)
 
     def _apply(
         self, f: int, mean: torch.Tensor, local_at_send: torch.Tensor, local_now: torch.Tensor

@@ -9,6 +9,8 @@ Run it however the job is launched (`cloudtrain.init()` reads the launcher's env
         --regions per-rank
     horovodrun --gloo -np 2 -H localhost:2 python examples/train_charlm.py --config cocktail \
         --regions per-rank
+    torchrun --standalone --nproc-per-node 4 examples/train_charlm.py --config diloco \
+        --regions a,a,b,b --sync-every 20     # the outer loop: parameters cross every 20 steps
 
 Data: the top-level .py files of `sysconfig.get_paths()["stdlib"]` in sorted order, concatenated
 up to --chars characters; the vocabulary is the sorted set of characters in that text; the first
@@ -19,7 +21,9 @@ text, vocabulary and split on every machine.
 plain PyTorch DistributedDataParallel; "env" (one region per machine: no lossy compression on one
 machine), "per-rank" (every rank its own region: everything compressed), or name,name,... . The
 initial weights and the order of the global batches depend only on --seed, so runs with different
-configs see the same data in the same order. Rank 0 shows a progress bar, prints the validation
+configs see the same data in the same order. --config diloco (or diloco-sparse, diloco-int8) trains
+with the outer loop (cloudtrain.outer): --sync-every, --outer-lr, --outer-momentum, --fragments
+and --overlap set its options, and the validation loss is measured after its final sync. Rank 0 shows a progress bar, prints the validation
 loss, a sample, and a last line `RESULT {json}` (val_loss, steps, world size, config, ms/step, the
 bytes CloudDDP sent across regions).
 """
@@ -27,6 +31,7 @@ bytes CloudDDP sent across regions).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -103,11 +108,17 @@ def windows(data: torch.Tensor, starts: torch.Tensor, block: int):
     return chunk[:, :-1], chunk[:, 1:]
 
 
-def wrap(model: nn.Module, config: str, regions: str) -> nn.Module:
-    """Plain DDP for --config ddp, else CloudDDP with the preset or codec spec."""
+def wrap(
+    model: nn.Module, config: str, regions: str, opt: torch.optim.Optimizer, outer: dict
+) -> nn.Module:
+    """Plain DDP for --config ddp, else CloudDDP with the preset or codec spec; `outer` overrides
+    the outer loop's options of an outer-loop preset ("diloco", ...)."""
     if config == "ddp":
         return nn.parallel.DistributedDataParallel(model)
-    return cloudtrain.CloudDDP(model, cloudtrain.CompressionConfig.resolve(config, regions=regions))
+    resolved = cloudtrain.CompressionConfig.resolve(config, regions=regions)
+    if resolved.outer is not None and outer:
+        resolved = dataclasses.replace(resolved, outer=dataclasses.replace(resolved.outer, **outer))
+    return cloudtrain.CloudDDP(model, resolved, optimizer=opt)
 
 
 @torch.no_grad()
@@ -155,7 +166,35 @@ def main() -> None:
     parser.add_argument("--chars", type=int, default=1_000_000, help="characters of stdlib text")
     parser.add_argument("--sample", type=int, default=200, help="characters to generate at the end")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sync-every", help="outer loop: H, inner steps per sync, or auto")
+    parser.add_argument("--outer-lr", type=float, help="outer loop: the outer SGD's lr")
+    parser.add_argument("--outer-momentum", type=float, help="outer loop: its (Nesterov) momentum")
+    parser.add_argument("--fragments", type=int, help="outer loop: fragments synced in turn")
+    parser.add_argument("--overlap", type=int, help="outer loop: steps an exchange may run behind")
+    parser.add_argument(
+        "--outer-dtype", help="outer loop: float32 or bfloat16 (outer copy, momentum, residuals)"
+    )
+    parser.add_argument(
+        "--outer-codec", help='outer loop: codec spec of the pseudo-gradients ("none", "quant:8")'
+    )
     args = parser.parse_args()
+    outer = {
+        name: value
+        for name, value in (
+            ("sync_every", args.sync_every),
+            ("outer_lr", args.outer_lr),
+            ("outer_momentum", args.outer_momentum),
+            ("fragments", args.fragments),
+            ("overlap", args.overlap),
+            ("dtype", args.outer_dtype),
+        )
+        if value is not None
+    }
+    if "sync_every" in outer and outer["sync_every"] != "auto":
+        outer["sync_every"] = int(outer["sync_every"])
+    if args.outer_codec:
+        spec = cloudtrain.CompressionConfig.resolve(args.outer_codec)  # its codec and level
+        outer["codec"], outer["level"] = spec.codec, spec.level
 
     cloudtrain.init()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -170,8 +209,9 @@ def main() -> None:
 
     torch.manual_seed(args.seed)  # the same initial weights whatever the config
     net = CharLM(len(vocab), args.block, args.width, args.layers, args.heads)
-    model = wrap(net, args.config, args.regions)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1)
+    # built before wrapping: the outer loop hooks its steps
+    opt = torch.optim.AdamW(net.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1)
+    model = wrap(net, args.config, args.regions, opt, outer)
     warmup = max(1, args.steps // 10)  # then cosine decay to lr / 10
 
     def lr_at(step: int) -> float:
@@ -200,11 +240,13 @@ def main() -> None:
         opt.step()
         if step % 25 == 0:
             progress.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+    cloud = isinstance(model, cloudtrain.CloudDDP)  # plain DDP counts nothing
+    if cloud:
+        model.finish_outer()  # with an outer loop: every replica then holds the same model
     elapsed = time.perf_counter() - start
     progress.close()
 
     vloss = val_loss(net, val, args.block, args.batch, args.seed + 2)
-    cloud = isinstance(model, cloudtrain.CloudDDP)  # plain DDP counts nothing
     sent = torch.tensor([model.stats().wan_bytes_sent if cloud else 0], dtype=torch.int64)
     dist.all_reduce(sent)  # bytes all ranks together sent to other regions
     if rank == 0:

@@ -14,7 +14,9 @@ DistributedDataParallel, to compare against. Compression only applies between re
 default --regions env all processes on one machine are one region and gradients are all-reduced
 densely; --regions per-rank puts every rank in its own region so everything crosses a "WAN" and
 is compressed (how to exercise compression on one machine); --regions us,us,eu,eu names each
-rank's region.
+rank's region. --config diloco (or diloco-sparse, diloco-int8) trains with the outer loop:
+parameters cross regions every --sync-every steps, and the test accuracy is measured after its
+final sync.
 
 Every rank trains on its slice of each global batch. The model's initial weights and the order of
 the global batches depend only on --seed, so two runs with different --config (or launchers) see
@@ -26,6 +28,7 @@ loss, steps, world size, config, ms/step, the bytes CloudDDP sent across regions
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -40,11 +43,24 @@ import cloudtrain
 from cloudtrain.tools.data import digits, digits_mlp
 
 
-def wrap(model: torch.nn.Module, config: str, regions: str) -> torch.nn.Module:
-    """Plain DDP for --config ddp, else CloudDDP with the preset or codec spec."""
+def wrap(
+    model: torch.nn.Module,
+    config: str,
+    regions: str,
+    opt: torch.optim.Optimizer,
+    sync_every: str | None = None,
+) -> torch.nn.Module:
+    """Plain DDP for --config ddp, else CloudDDP with the preset or codec spec (an outer-loop
+    preset such as "diloco" syncs every `sync_every` steps where given)."""
     if config == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
-    return cloudtrain.CloudDDP(model, cloudtrain.CompressionConfig.resolve(config, regions=regions))
+    resolved = cloudtrain.CompressionConfig.resolve(config, regions=regions)
+    if resolved.outer is not None and sync_every is not None:
+        h = sync_every if sync_every == "auto" else int(sync_every)
+        resolved = dataclasses.replace(
+            resolved, outer=dataclasses.replace(resolved.outer, sync_every=h)
+        )
+    return cloudtrain.CloudDDP(model, resolved, optimizer=opt)
 
 
 def main() -> None:
@@ -59,6 +75,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="global batch size")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sync-every", help="with --config diloco: inner steps per sync, or auto")
     args = parser.parse_args()
 
     cloudtrain.init()
@@ -67,8 +84,9 @@ def main() -> None:
         raise SystemExit(f"--batch {args.batch} must be divisible by the {world} processes")
     x_train, y_train, x_test, y_test = digits(args.seed)
     torch.manual_seed(args.seed)  # the same initial weights whatever the config
-    model = wrap(digits_mlp(), args.config, args.regions)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    net = digits_mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)  # before wrapping
+    model = wrap(net, args.config, args.regions, opt, args.sync_every)
 
     batches = torch.Generator().manual_seed(args.seed + 1)  # same global batches on every rank
     per_rank = args.batch // world
@@ -89,6 +107,8 @@ def main() -> None:
         opt.step()
         if step % 25 == 0:
             progress.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+    if isinstance(model, cloudtrain.CloudDDP):
+        model.finish_outer()  # with an outer loop: every replica then holds the same model
     elapsed = time.perf_counter() - start
     progress.close()
 

@@ -203,6 +203,31 @@ def test_h1_plain_sgd_outer_averaging_gives_ddps_parameters():
         assert worst < 1e-6, f"outer loop at H=1 differs from DDP by {worst}"
 
 
+def _auto(rank, world, steps):
+    import cloudtrain
+
+    cloudtrain.init()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = {"sync_every": "auto", "fragments": 2}
+    ddp = cloudtrain.CloudDDP(
+        model, CompressionConfig(regions="per-rank", outer=outer), optimizer=opt
+    )
+    for step in range(steps):
+        train_step(ddp, opt, rank, step)
+    ddp.finish_outer()
+    return ddp.outer.schedule, [crc(p) for p in model.parameters()]
+
+
+def test_auto_schedule_is_rank_0s_choice_on_every_rank():
+    from cloudtrain.outer import SYNC_CHOICES
+
+    (s0, p0), (s1, p1) = run_ranks(2, _auto, 7, timeout=300)
+    assert s0 == s1 and s0.sync_every in SYNC_CHOICES and len(s0.rungs) == 2
+    assert all(rung in OUTER_LADDER for rung in s0.rungs)
+    assert p0 == p1
+
+
 # -- choosing H and the codec --------------------------------------------------------------------
 
 
@@ -306,7 +331,9 @@ def test_bad_outer_options(options, match):
         CompressionConfig(outer=options)
 
 
-def test_outer_with_a_per_step_codec_or_a_bad_value_is_an_error():
+def test_outer_with_a_per_step_codec_verify_or_a_bad_value_is_an_error():
+    with pytest.raises(ValueError, match="verify_every"):
+        CompressionConfig(verify_every=10, outer={})
     with pytest.raises(ValueError, match="outer.codec"):
         CompressionConfig(codec="quant", level=8, outer={})
     with pytest.raises(ValueError, match="OuterConfig"):
