@@ -905,8 +905,8 @@ class Emulator:
             raise EmulatorError(
                 f"region {region!r}: {up:g} Mbit/s up + {down:g} down through its delay relay is "
                 f"more than {limit:.0f} Mbit/s ({RELAY_HEADROOM:.0%} of the "
-                f"{self.relay['mbit']:.0f} Mbit/s one relay moves on this machine, measured "
-                "now): lower the rate, or ask for no delay on that region's link"
+                f"{self.relay['mbit']:.0f} Mbit/s one relay moved on this machine when the "
+                "emulator came up): lower the rate, or ask for no delay on that region's link"
             )
 
     def _build(self) -> None:
