@@ -36,9 +36,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "quant8": {"codec": "quant", "level": 8},
     "quant4": {"codec": "quant", "level": 4},
     "sign": {"codec": "sign"},
-    "topk-10pct": {"codec": "topk-sampled", "level": 0.1},
-    "topk-1pct": {"codec": "topk-sampled", "level": 0.01},
-    "topk-0.1pct": {"codec": "topk-sampled", "level": 0.001},
+    "topk-10pct": {"codec": "topk", "level": 0.1},
+    "topk-1pct": {"codec": "topk", "level": 0.01},
+    "topk-0.1pct": {"codec": "topk", "level": 0.001},
     "cocktail": {"codec": "randomk>topk>quant", "level": (0.1, 0.1, 4)},
     "diloco": {"codec": "none", "error_feedback": False, "outer": {}},
     "diloco-sparse": {
@@ -57,8 +57,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 "diloco-sparse" sends them SparseLoCo-style (top-k 2% -> 2-bit, error feedback), "diloco-int8"
 as INTELLECT-1 does (8-bit)."""
 
-MAX_STALENESS = 16
-"""The most steps an exchange may be applied late."""
 
 RESIDUAL_DTYPES = {str(d).removeprefix("torch."): d for d in feedback.RESIDUAL_DTYPES}
 """Residual dtypes by name, as ErrorFeedback keeps them."""
@@ -84,15 +82,18 @@ def _number(
         raise ValueError(f"{name}={value!r} must be {what} in {interval}")
 
 
+MAX_STALENESS = 16
+"""The most steps an exchange may be applied late."""
+
 LADDER: tuple[tuple[str, Any], ...] = (
     ("none", None),
     ("bf16", None),
     ("quant", 8),
     ("quant", 4),
-    ("topk-sampled>quant", (0.1, 8)),
-    ("topk-sampled>quant", (0.01, 8)),
-    ("topk-sampled>quant", (0.001, 8)),
-    ("topk-sampled>quant", (0.0001, 8)),
+    ("topk>quant", (0.1, 8)),
+    ("topk>quant", (0.01, 8)),
+    ("topk>quant", (0.001, 8)),
+    ("topk>quant", (0.0001, 8)),
 )
 """Rungs from no compression to the most; each is (codec name, level)."""
 
@@ -113,6 +114,13 @@ class ControllerOptions:
     """When no rung fits: the lightest rung at most this share of a step's compute time slower
     than the fastest rung (the time a step may give up for accuracy)."""
     ladder: tuple[tuple[str, Any], ...] = LADDER
+    min_density: float = 0.01
+    """The accuracy guard: never send a sparser share of a shard than this (top-k 1 %): below
+    it error feedback holds back most of the gradient for many steps, and a link too slow for
+    it is better served by a deeper pipeline than by dropping more."""
+    max_staleness: int = 4
+    """The deepest pipeline the controller may choose when CompressionConfig.staleness is None
+    (a step's exchange applied up to this many steps late)."""
     initial_compute_s: float = 0.1
     """Compute time per step assumed until the first one is measured."""
     tensorboard_dir: str | None = None
@@ -126,6 +134,8 @@ class ControllerOptions:
         _number("ewma", self.ewma, 0, 1, open_lo=True)
         _number("slack", self.slack, 0, 10)
         _number("initial_compute_s", self.initial_compute_s, 0, 3600, open_lo=True)
+        _number("min_density", self.min_density, 0, 1)
+        _number("max_staleness", self.max_staleness, 0, MAX_STALENESS, integer=True)
         if not isinstance(self.ladder, tuple) or not self.ladder:
             raise ValueError("ladder: give at least one (codec, level) rung")
         for name, level in self.ladder:

@@ -1,20 +1,30 @@
 """The adaptive controller: each region's shard owners compress exactly as much as their link
 needs, and fast links not at all.
 
-Every `interval` steps, per sender region (Kimad's rule, budget = bandwidth x time):
+Every `interval` steps, per sender region (Kimad's rule, budget = bandwidth x time), with
+latency before compression:
 
-    time the exchange may take   T = hidden_fraction x compute time of a step
-                                     - half a round trip per bucket (at least T / 10)
-    time a rung takes            bytes / bandwidth + its encode/decode CPU time
-                                     + (compressed rungs) the dense reduction inside regions
-    level                        the lightest rung of the ladder whose time fits T
+    time the exchange may stay hidden   T = hidden_fraction x compute time of a step
+    transfer of a rung                  bytes / bandwidth + its encode/decode CPU time
+                                        + (compressed rungs) the dense reduction inside regions
+    time a rung takes                   synchronous: half a round trip per bucket + transfer;
+                                        pipelined s steps deep: half a round trip + transfer
+                                        - s x compute, but never less than the transfer
+                                        - (1 - hidden_fraction) x compute (bandwidth is not
+                                        hidden by a pipeline)
+    level                               the lightest rung whose time, at its best depth, fits T
+    staleness                           the smallest depth at which the chosen rungs fit
 
-The ladder runs from no compression through 16-bit, 8- and 4-bit quantization to top-k 10%, 1%,
-0.1% and 0.01% with 8-bit values. Without compression a step's gradients cross as one plain
-all-reduce (a hierarchy buys nothing then), which moves every byte twice; its measured time
-stands in where the last interval ran it. When no rung fits, more compression is worth its
-accuracy only while it still saves time: the lightest rung at most `slack` x compute time
-slower than the fastest.
+Round trips are hidden by pipelining (cloudtrain.pipeline), not by compressing: a long round
+trip alone raises the staleness, never the compression. The ladder runs from no compression
+through 16-bit, 8- and 4-bit quantization to top-k 10% and 1% with 8-bit values (0.1% and 0.01%
+are there for users who lower `min_density`, the accuracy guard: "auto" never sends less than 1%
+of a shard - below it error feedback holds most of the gradient back for many steps, which is
+what collapsed accuracy at 80 ms before there was a pipeline). Without compression and without a
+pipeline a step's gradients cross as one plain all-reduce, which moves every byte twice; its
+measured time stands in where the last interval ran it. When no rung fits, more compression is
+worth its accuracy only while it still makes the step faster: the lightest rung at most `slack`
+x compute time slower than the fastest.
 
 Measurements: bandwidth starts from the active probe (cloudtrain.probe) and follows the real
 transfers - each owner times every packet it receives; a drop counts at once, a rise is smoothed
@@ -94,6 +104,47 @@ def _default_codecs() -> Codecs:
     return Codecs(CompressionConfig())
 
 
+def rung_density(rung: Rung) -> float:
+    """Share of the elements a rung sends (1 for dense codecs): a composition's sparsifier
+    densities multiplied."""
+    name, level = rung
+    stages = name.split(">")
+    levels = level if isinstance(level, tuple) else (level,)
+    density = 1.0
+    for stage, value in zip(stages, levels, strict=False):
+        if stage.strip() in ("topk", "topk-sampled", "randomk"):
+            density *= float(value)
+    return density
+
+
+def exchange_seconds(
+    transfer: float, rtt: float, buckets: int, compute_time: float, staleness: int, hidden: float
+) -> float:
+    """Seconds of a step's exchange that count against the time it may take hidden (`hidden` x
+    compute): the latency model behind plan_levels.
+
+    Synchronous (staleness 0), the communication thread waits for every bucket's exchange in
+    turn: half a round trip per bucket, plus the transfer. Pipelined, all of a step's exchanges
+    are in flight at once and have s more steps of compute to arrive in: half a round trip once,
+    less s x compute. Either way the link must carry each step's bytes within a step (a pipeline
+    hides round trips, never bandwidth): transfer - (1 - hidden) x compute.
+    """
+    if staleness == 0:
+        return buckets * rtt / 2 + transfer
+    latency = rtt / 2 + transfer - staleness * compute_time
+    return max(latency, transfer - (1 - hidden) * compute_time)
+
+
+def plain_seconds(
+    nbytes: int, link: LinkEstimate, buckets: int, measured: float | None = None
+) -> float:
+    """A step's plain (ring) all-reduce of `nbytes` per sender: every byte crosses twice, half a
+    round trip per bucket; `measured` (where the last interval ran it) replaces the model."""
+    if measured is not None:
+        return measured
+    return 2 * nbytes / link.bandwidth + buckets * link.rtt / 2
+
+
 def plan_levels(
     links: Sequence[LinkEstimate],
     compute_time: float,
@@ -105,6 +156,7 @@ def plan_levels(
     extra_seconds: Sequence[float] | None = None,
     none_seconds: float | None = None,
     codecs: Codecs | None = None,
+    staleness: Sequence[int] = (0,),
 ) -> tuple[list[int], list[int], list[float]]:
     """Choose a ladder rung per sender region (pure function).
 
@@ -113,19 +165,26 @@ def plan_levels(
     decisions in a row a lighter one has fitted with margin (hysteresis state). cpu_seconds: what
     encoding and decoding a step costs at each rung (see Controller.calibrate; default 0);
     extra_seconds: any other per-step cost of a rung (the dense reduction inside regions that
-    only compressed rungs need); none_seconds: the measured time of the "none" rung, which then
-    replaces its estimate; codecs: the run's (Codecs), so that bytes are what will be sent.
+    only compressed rungs need); none_seconds: the measured time of the "none" rung's plain
+    all-reduce, which then replaces its estimate; codecs: the run's (Codecs), so that bytes are
+    what will be sent; staleness: the pipeline depths allowed (each rung is timed at its best).
 
-    A rung's time is bytes / bandwidth + its CPU and extra time; it fits when that is within the
-    time the exchange can stay hidden, minus half a round trip per bucket. When no rung fits, the
-    lightest one at most `slack` x compute_time slower than the fastest is taken. Returns (rungs, streaks, budgets in
-    bytes per step).
+    Latency before compression: a rung's time is its transfer (bytes / bandwidth + CPU + extra)
+    plus the round trips the step waits for (`exchange_seconds`); a pipeline takes the round
+    trips off the critical path, compression only shortens the transfer. A rung fits when its
+    time is within the time the exchange can stay hidden behind compute (hidden_fraction x
+    compute). When none fits, the lightest rung at most `slack` x compute_time slower than the
+    fastest is taken: compressing harder is worth its accuracy only while it makes the step
+    faster. Rungs sparser than `min_density` are never taken (the accuracy guard). Returns
+    (rungs, streaks, budgets in bytes per step).
     """
     options = options or ControllerOptions()
     if not (math.isfinite(compute_time) and compute_time > 0):
         raise ValueError(f"compute_time={compute_time!r} must be a positive number of seconds")
     if not shard_numels or any(m < 0 for m in shard_numels):
         raise ValueError("shard_numels: the element count of every bucket's shard (non-negative)")
+    if not staleness or any(s < 0 for s in staleness):
+        raise ValueError("staleness: the pipeline depths allowed, each >= 0")
     ladder = options.ladder
     cpu = list(cpu_seconds) if cpu_seconds is not None else [0.0] * len(ladder)
     extra = list(extra_seconds) if extra_seconds is not None else [0.0] * len(ladder)
@@ -141,24 +200,35 @@ def plan_levels(
         raise ValueError("current and streak need one entry per region")
     codecs = codecs or _default_codecs()
     sizes = [codecs.step_nbytes(r, shard_numels, receivers) for r in ladder]
-    allowed = options.hidden_fraction * compute_time
+    usable = options.hidden_fraction * compute_time
     slack = options.slack * compute_time
     uncompressed = ladder[0][0] == "none"
+    guarded = [rung_density(r) < options.min_density for r in ladder]
+    if all(guarded):
+        guarded = [False] * len(ladder)  # a ladder of nothing but sparse rungs: take it as given
+
+    def seconds(transfer: float, rtt: float) -> float:
+        return min(
+            exchange_seconds(
+                transfer, rtt, len(shard_numels), compute_time, s, options.hidden_fraction
+            )
+            for s in staleness
+        )
 
     def choose(flat: bool) -> tuple[list[int], list[int], list[float]]:
         rungs, streaks, budgets = [], [], []
         for link, now, run in zip(links, current, streak, strict=True):
-            # packets of one bucket cross at once: each exchange costs about half a round trip
-            usable = max(allowed - len(shard_numels) * link.rtt / 2, allowed / 10)
-            times = [size / link.bandwidth + c for size, c in zip(sizes, cost, strict=True)]
-            if uncompressed and flat:
-                # when no region compresses, a step's gradients cross as one plain (ring)
-                # all-reduce, which moves every byte twice; measured, where the last interval ran it
-                times[0] = (
-                    none_seconds if none_seconds is not None else 2 * sizes[0] / link.bandwidth
-                )
-            elif uncompressed:  # beside compressing regions it takes their path, and its costs
-                times[0] = sizes[0] / link.bandwidth + max(extra)
+            times = [
+                math.inf if guard else seconds(size / link.bandwidth + c, link.rtt)
+                for size, c, guard in zip(sizes, cost, guarded, strict=True)
+            ]
+            if uncompressed:  # "none" through the hierarchy pays the dense reduction too
+                times[0] = seconds(sizes[0] / link.bandwidth + cost[0] + max(extra), link.rtt)
+            if uncompressed and flat and 0 in staleness:
+                # when no region compresses and nothing is pipelined, a step's gradients cross as
+                # one plain all-reduce (plain_seconds); the pipelined hierarchy where it is faster
+                plain = plain_seconds(sizes[0], link, len(shard_numels), none_seconds)
+                times[0] = plain if staleness == (0,) else min(plain, times[0])
             measured = uncompressed and flat and none_seconds is not None and now == 0
             choice, run = _hysteresis(times, usable, now, run, options, slack, measured)
             rungs.append(choice)
@@ -170,6 +240,56 @@ def plan_levels(
     if uncompressed and 0 in rungs and any(rungs):  # a mixed plan: "none" is not a plain all-reduce
         rungs, streaks, budgets = choose(flat=False)
     return rungs, streaks, budgets
+
+
+def plan_staleness(
+    links: Sequence[LinkEstimate],
+    compute_time: float,
+    shard_numels: Sequence[int],
+    rungs: Sequence[int],
+    options: ControllerOptions | None = None,
+    cpu_seconds: Sequence[float] | None = None,
+    extra_seconds: Sequence[float] | None = None,
+    none_seconds: float | None = None,
+    codecs: Codecs | None = None,
+    allowed: Sequence[int] = (0,),
+) -> int:
+    """The pipeline depth for these rungs (pure function): the smallest allowed staleness at
+    which every region's exchange stays hidden, else the one that hides the most (the smallest
+    of those). 0 when the plan compresses nothing and the plain all-reduce is as fast."""
+    options = options or ControllerOptions()
+    ladder = options.ladder
+    codecs = codecs or _default_codecs()
+    receivers = max(len(links) - 1, 1)
+    cpu = list(cpu_seconds) if cpu_seconds is not None else [0.0] * len(ladder)
+    extra = list(extra_seconds) if extra_seconds is not None else [0.0] * len(ladder)
+    usable = options.hidden_fraction * compute_time
+
+    def worst(s: int) -> float:
+        out = 0.0
+        for link, r in zip(links, rungs, strict=True):
+            transfer = codecs.step_nbytes(ladder[r], shard_numels, receivers) / link.bandwidth
+            t = exchange_seconds(
+                transfer + cpu[r] + extra[r],
+                link.rtt,
+                len(shard_numels),
+                compute_time,
+                s,
+                options.hidden_fraction,
+            )
+            if s == 0 and ladder[r][0] == "none" and not any(rungs):
+                size = codecs.step_nbytes(ladder[r], shard_numels, receivers)
+                t = plain_seconds(size, link, len(shard_numels), none_seconds)
+            out = max(out, t)
+        return out
+
+    choices = sorted(set(allowed))
+    times = {s: worst(s) for s in choices}
+    hidden = [s for s in choices if times[s] <= usable]
+    if hidden:
+        return hidden[0]
+    best = min(times.values())
+    return next(s for s in choices if times[s] <= best + 0.05 * compute_time)
 
 
 def _hysteresis(
@@ -263,6 +383,12 @@ class Controller:
         self.rtt: list[float] = [0.0] * regions
         self.rungs = [0] * regions
         self.streak = [0] * regions
+        self.staleness = 0 if config.staleness is None else config.staleness
+        self.allowed_staleness: tuple[int, ...] = (
+            (config.staleness,)
+            if config.staleness is not None
+            else tuple(range(self.options.max_staleness + 1))
+        )
         self.compute_time: float | None = None
         self.history: list[dict[str, Any]] = []
         self._writer = None
@@ -324,19 +450,31 @@ class Controller:
             LinkEstimate(min(max(b, MIN_BANDWIDTH), MAX_BANDWIDTH), t)
             for b, t in zip(self.bandwidth, self.rtt, strict=True)
         ]
+        compute, cpu = self.options.initial_compute_s, self.cpu_seconds(shard_numels)
         self.rungs, self.streak, _ = plan_levels(
             estimates,
-            self.options.initial_compute_s,
+            compute,
             shard_numels,
             options=self.options,
-            cpu_seconds=self.cpu_seconds(shard_numels),
+            cpu_seconds=cpu,
             codecs=self.codecs,
+            staleness=self.allowed_staleness,
+        )
+        self.staleness = plan_staleness(
+            estimates,
+            compute,
+            shard_numels,
+            self.rungs,
+            self.options,
+            cpu,
+            codecs=self.codecs,
+            allowed=self.allowed_staleness,
         )
 
     # -- decisions (all ranks call, rank 0 decides) ----------------------------------------------
     def plan(self) -> Plan:
-        """The plan of the current rungs."""
-        return Plan(tuple(self.options.ladder[r] for r in self.rungs))
+        """The plan of the current rungs and pipeline depth."""
+        return Plan(tuple(self.options.ladder[r] for r in self.rungs), self.staleness)
 
     def due(self, step: int) -> bool:
         """Whether `step` starts with a decision (all ranks then call `decide`)."""
@@ -368,13 +506,14 @@ class Controller:
             decision[0] = self._decide(step, gathered, shard_numels)
         dist.broadcast_object_list(decision, src=0, group=group)
         rungs, streak, bandwidth, compute_time, self.reprobe, record = decision[0]
-        changed = rungs != self.rungs
+        changed = rungs != self.rungs or record["staleness"] != self.staleness
         self.rungs, self.streak, self.bandwidth, self.compute_time = (
             rungs,
             streak,
             bandwidth,
             compute_time,
         )
+        self.staleness = record["staleness"]
         self.history.append(record)
         if changed and self.topo.rank == 0:  # one line per change, not one per rank
             log.warning("cloudtrain: step %d: %s", step, record["text"])
@@ -477,7 +616,23 @@ class Controller:
             extra,
             self.allreduce_s,
             self.codecs,
+            self.allowed_staleness,
         )
+        staleness = plan_staleness(
+            links,
+            compute_time,
+            shard_numels,
+            rungs,
+            opts,
+            self.cpu_seconds(shard_numels),
+            extra,
+            self.allreduce_s,
+            self.codecs,
+            self.allowed_staleness,
+        )
+        # a shallower pipeline one step at a time: each change of depth applies two steps'
+        # gradients at once (or none), so it should not flap
+        staleness = max(staleness, self.staleness - 1)
         names = self.topo.regions
         text = (
             "plan "
@@ -486,7 +641,7 @@ class Controller:
                 f"budget {budgets[r] / 1e6:.2f} MB/step)"
                 for r in range(len(names))
             )
-            + f"; compute {1000 * compute_time:.0f} ms/step"
+            + f"; staleness {staleness}; compute {1000 * compute_time:.0f} ms/step"
         )
         record = {
             "step": step,
@@ -497,6 +652,7 @@ class Controller:
             "compute_s": compute_time,
             "intra_s": self.intra_s,
             "allreduce_s": self.allreduce_s,
+            "staleness": staleness,
             "text": text,
         }
         return rungs, streak, bandwidth, compute_time, reprobe, record
@@ -513,6 +669,7 @@ class Controller:
             "allreduce_s": self.allreduce_s,
             "allreduce_bw": self.allreduce_bw,
             "unmodelled_s": self.unmodelled_s,
+            "staleness": self.staleness,
             "history": list(self.history),
         }
 
@@ -526,6 +683,7 @@ class Controller:
         self.compute_time = state["compute_time"]
         self.intra_s, self.allreduce_s = state["intra_s"], state["allreduce_s"]
         self.allreduce_bw, self.unmodelled_s = state["allreduce_bw"], state["unmodelled_s"]
+        self.staleness = int(state["staleness"])
         self.history = list(state["history"])
 
     def metrics(self) -> dict[str, float]:

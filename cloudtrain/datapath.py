@@ -152,8 +152,9 @@ class CrossRegion:
                     self.observer.arrived(region, nbytes, seconds)
             bucket = flight.index * self.topo.shards + self.topo.shard
             with self.stats.timed("decode"):
+                x = shard.mine
                 summed = self.accumulate(
-                    wires, flight.plan, flight.step, bucket, shard.m, shard.mine.device
+                    wires, flight.plan, flight.step, bucket, shard.m, x.dtype, x.device
                 )
         self.gather_in_region(shard, summed, flight.where)
         return shard.padded[: shard.n]
@@ -171,7 +172,7 @@ class CrossRegion:
         with self.stats.timed("exchange"):
             wires = self.swap(wire, plan, m, x.dtype, where, arrivals).wait()
         with self.stats.timed("decode"):
-            return self.accumulate(wires, plan, step, bucket, m, x.device)
+            return self.accumulate(wires, plan, step, bucket, m, x.dtype, x.device)
 
     # -- 2. inside the region -----------------------------------------------------------------
     def reduce_in_region(self, buf: torch.Tensor, where: str) -> Shard:
@@ -263,14 +264,17 @@ class CrossRegion:
         step: int,
         bucket: int,
         m: int,
+        dtype: torch.dtype,
         device: torch.device,
     ) -> torch.Tensor:
-        """Check every packet against what the plan says it must be, decode, sum in region order."""
+        """Check every packet against what the plan says it must be (`Expected`: step, bucket,
+        sender, numel, level, dtype), decode, and sum in region order."""
         out = torch.zeros(m, dtype=torch.float32, device=device)
         for region, data in enumerate(wires):
             name, level = plan.senders[region]
             codec = self.codecs(name)
-            expect = Expected(m, level, RandomKey(self.config.seed, step, bucket, region))
+            key = RandomKey(self.config.seed, step, bucket, region)
+            expect = Expected(m, level, key, dtype=dtype)
             packet = from_wire(data, codec, expect=expect)
             if device.type != "cpu":
                 parts = tuple(p.to(device, non_blocking=True) for p in packet.parts)

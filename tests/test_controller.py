@@ -9,13 +9,15 @@ import random
 
 import pytest
 
+from cloudtrain.config import LADDER, ControllerOptions
 from cloudtrain.controller import (
-    LADDER,
-    ControllerOptions,
     LinkEstimate,
+    exchange_seconds,
     passive_bandwidth,
     plan_levels,
+    plan_staleness,
     rung_bytes,
+    rung_density,
 )
 from cloudtrain.probe import LinkMatrix, cluster_regions, fit_link
 
@@ -41,15 +43,17 @@ def test_ladder_gets_smaller_at_every_rung():
         (3_000, 0.2, "bf16:None"),
         (2_000, 0.2, "quant:8"),
         (800, 0.2, "quant:4"),
-        (500, 0.2, "topk-sampled>quant:(0.1, 8)"),
-        (210, 0.2, "topk-sampled>quant:(0.1, 8)"),  # US-EU
-        (50, 0.2, "topk-sampled>quant:(0.01, 8)"),
-        (50, 0.02, "topk-sampled>quant:(0.001, 8)"),  # less compute to hide behind: more
-        (1, 0.2, "topk-sampled>quant:(0.0001, 8)"),  # nothing fits: the most compressed rung
+        (500, 0.2, "topk>quant:(0.1, 8)"),
+        (210, 0.2, "topk>quant:(0.1, 8)"),  # US-EU
+        (50, 0.2, "topk>quant:(0.01, 8)"),
+        (50, 0.02, "topk>quant:(0.001, 8)"),  # less compute to hide behind: more
+        (1, 0.2, "topk>quant:(0.0001, 8)"),  # nothing fits: the most compressed rung
     ],
 )
 def test_the_lightest_rung_that_fits(mbit, compute_s, expect):
-    rungs, _, budgets = plan_levels([LinkEstimate(mbit * MBIT, 0.0)] * 2, compute_s, SHARDS)
+    opts = ControllerOptions(min_density=0)  # the whole ladder (the guard has its own test)
+    links = [LinkEstimate(mbit * MBIT, 0.0)] * 2
+    rungs, _, budgets = plan_levels(links, compute_s, SHARDS, options=opts)
     assert rungs[0] == rungs[1]
     assert level_name(rungs[0]) == expect
 
@@ -64,14 +68,104 @@ def test_the_lightest_rung_that_fits(mbit, compute_s, expect):
         assert needs(rungs[0] - 1) > budgets[0]
 
 
-def test_budget_is_bandwidth_times_hidden_time_minus_round_trips():
-    link = LinkEstimate(100 * MBIT, 0.02)
+def test_budget_is_bandwidth_times_hidden_time():
     opts = ControllerOptions(hidden_fraction=0.5)
-    _, _, (budget,) = plan_levels([link], 0.4, SHARDS, options=opts)
-    assert budget == pytest.approx(100 * MBIT * (0.5 * 0.4 - 3 * 0.02 / 2))
-    # round trips longer than the hidden time: a tenth of it is left for the bytes
-    _, _, (budget,) = plan_levels([LinkEstimate(100 * MBIT, 1.0)], 0.4, SHARDS, options=opts)
-    assert budget == pytest.approx(100 * MBIT * 0.02)
+    for rtt in (0.0, 0.02, 1.0):  # round trips take time, they do not shrink the byte budget
+        _, _, (budget,) = plan_levels([LinkEstimate(100 * MBIT, rtt)], 0.4, SHARDS, options=opts)
+        assert budget == pytest.approx(100 * MBIT * 0.5 * 0.4)
+
+
+# -- latency before compression (issue: at 80 ms "auto" compressed ever harder) ---------------
+
+ALL_DEPTHS = tuple(range(5))
+MLP = [1_650_000 // 2]  # the bench's MLP, one bucket, 2 shards
+
+
+def step_time(rung: int, link: LinkEstimate, compute: float, depth: int, shards) -> float:
+    """The model's step time: compute plus what of the exchange is not hidden."""
+    transfer = rung_bytes(LADDER[rung], shards, 1) / link.bandwidth
+    exposed = exchange_seconds(transfer, link.rtt, len(shards), compute, depth, 0.5)
+    return compute + max(0.0, exposed - 0.5 * compute)
+
+
+@pytest.mark.parametrize("mbit", [20, 50, 100, 300, 1000, 5000])
+@pytest.mark.parametrize("rtt_ms", [0, 10, 80, 180, 250])
+@pytest.mark.parametrize("compute_ms", [5, 15, 60])
+@pytest.mark.parametrize("depths", [(0,), ALL_DEPTHS])
+def test_a_rung_that_does_not_make_the_step_faster_is_never_taken(mbit, rtt_ms, compute_ms, depths):
+    link = LinkEstimate(mbit * MBIT, rtt_ms / 1000)
+    opts = ControllerOptions(slack=0.2)
+    compute = compute_ms / 1000
+    (rung, _), _, _ = plan_levels([link, link], compute, MLP, options=opts, staleness=depths)
+    assert rung_density(LADDER[rung]) >= opts.min_density  # the accuracy guard
+    best = {
+        r: min(step_time(r, link, compute, s, MLP) for s in depths)
+        for r in range(len(LADDER))
+        if rung_density(LADDER[r]) >= opts.min_density
+    }
+    lighter = [r for r in best if r < rung]
+    # every lighter rung would have made the step slower: compressing more paid off in time
+    for r in lighter:
+        if r == 0 and depths == (0,):
+            continue  # "none" alone is a plain all-reduce (every byte twice), timed differently
+        assert best[r] > best[rung], (r, best)
+    # and it gives up at most 2 x slack of compute time against the fastest rung (accuracy is
+    # bought with time only within that; 2x: hysteresis keeps a rung until clearly behind)
+    fastest = min(best.values())
+    assert best[rung] <= max(fastest + 2 * opts.slack * compute, compute) + 1e-9, (rung, best)
+
+
+def test_round_trips_alone_raise_the_staleness_not_the_compression():
+    compute = 0.015
+    near = LinkEstimate(100 * MBIT, 0.0)
+    far = LinkEstimate(100 * MBIT, 0.080)  # hidden within the default max_staleness of 4
+    opts = ControllerOptions()
+    (r_near, _), _, _ = plan_levels([near, near], compute, MLP, options=opts, staleness=ALL_DEPTHS)
+    (r_far, _), _, _ = plan_levels([far, far], compute, MLP, options=opts, staleness=ALL_DEPTHS)
+    assert r_far == r_near
+    s_near = plan_staleness([near] * 2, compute, MLP, [r_near] * 2, opts, allowed=ALL_DEPTHS)
+    s_far = plan_staleness([far] * 2, compute, MLP, [r_far] * 2, opts, allowed=ALL_DEPTHS)
+    assert s_far > s_near
+    # pinned synchronous (staleness 0): the round trip cannot be hidden, and compressing more
+    # than the bytes need would not win it back
+    (r_sync, _), _, _ = plan_levels([far, far], compute, MLP, options=opts, staleness=(0,))
+    assert r_sync <= r_near + 1
+
+
+@pytest.mark.parametrize(("rtt_ms", "compute_ms"), [(80, 15), (180, 15), (80, 5), (250, 40)])
+def test_staleness_is_picked_when_the_round_trip_exceeds_the_hidden_time(rtt_ms, compute_ms):
+    link = LinkEstimate(1000 * MBIT, rtt_ms / 1000)
+    compute = compute_ms / 1000
+    opts = ControllerOptions(max_staleness=16)
+    depths = tuple(range(17))
+    rungs, _, _ = plan_levels([link] * 2, compute, MLP, options=opts, staleness=depths)
+    s = plan_staleness([link] * 2, compute, MLP, rungs, opts, allowed=depths)
+    assert link.rtt / 2 > 0.5 * compute  # the round trip does not hide behind one step
+    assert s > 0
+    assert s == min(
+        d
+        for d in depths
+        if exchange_seconds(
+            rung_bytes(LADDER[rungs[0]], MLP, 1) / link.bandwidth,
+            link.rtt,
+            1,
+            compute,
+            d,
+            0.5,
+        )
+        <= 0.5 * compute
+    )
+    # with neither round trip nor bytes to hide it stays synchronous
+    near = LinkEstimate(100_000 * MBIT, 0.0)
+    assert plan_staleness([near] * 2, compute, MLP, rungs, opts, allowed=depths) == 0
+
+
+def test_min_density_guards_accuracy():
+    link = [LinkEstimate(1 * MBIT, 0.0)] * 2  # so slow that only the sparsest rung would fit
+    (guarded, _), _, _ = plan_levels(link, 0.2, SHARDS)
+    assert rung_density(LADDER[guarded]) == 0.01
+    (free, _), _, _ = plan_levels(link, 0.2, SHARDS, options=ControllerOptions(min_density=0))
+    assert rung_density(LADDER[free]) == 0.0001
 
 
 def test_heterogeneous_links_get_different_levels():
@@ -222,10 +316,10 @@ def test_cpu_cost_of_a_rung_counts():
     """On a CPU, top-k 10% can cost more to encode and decode than 1%: the cheaper one wins."""
     link = [LinkEstimate(500 * MBIT, 0.0)]
     plain, _, _ = plan_levels(link, 0.2, SHARDS)
-    assert level_name(plain[0]) == "topk-sampled>quant:(0.1, 8)"
+    assert level_name(plain[0]) == "topk>quant:(0.1, 8)"
     cpu = [0.0, 0.002, 0.01, 0.01, 0.09, 0.01, 0.008, 0.008]  # seconds per step, by rung
     costly, _, _ = plan_levels(link, 0.2, SHARDS, cpu_seconds=cpu)
-    assert level_name(costly[0]) == "topk-sampled>quant:(0.01, 8)"
+    assert level_name(costly[0]) == "topk>quant:(0.01, 8)"
 
 
 def test_when_nothing_fits_compression_stops_where_it_stops_paying():
@@ -233,14 +327,19 @@ def test_when_nothing_fits_compression_stops_where_it_stops_paying():
     most compressed rung would save almost nothing over a lighter one, so the lighter one wins."""
     link = [LinkEstimate(100 * MBIT, 0.0)]
     overhead = [0.0] + [0.5] * (len(LADDER) - 1)
-    rungs, _, _ = plan_levels(link, 0.05, SHARDS, extra_seconds=overhead)
+    whole = ControllerOptions(min_density=0)  # the whole ladder: the guard has its own test
+    rungs, _, _ = plan_levels(link, 0.05, SHARDS, extra_seconds=overhead, options=whole)
     times = [
         rung_bytes(r, SHARDS, 1) / (100 * MBIT) + o for r, o in zip(LADDER, overhead, strict=True)
     ]
     assert times[rungs[0]] <= min(times) + 0.2 * 0.05  # slack: a share of the compute time
     assert rungs[0] < len(LADDER) - 1, "not the most compressed rung"
     strict, _, _ = plan_levels(
-        link, 0.05, SHARDS, options=ControllerOptions(slack=0.0), extra_seconds=overhead
+        link,
+        0.05,
+        SHARDS,
+        options=ControllerOptions(slack=0.0, min_density=0),
+        extra_seconds=overhead,
     )
     assert strict[0] == min(range(len(times)), key=times.__getitem__)
 
