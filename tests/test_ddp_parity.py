@@ -49,13 +49,13 @@ def _backward(model, mode: str, rank: int, step: int, scaler) -> None:
     (scaler.scale(loss) if scaler is not None else loss).backward()
 
 
-def _versus_replay(rank, world, mode):
+def _versus_replay(rank, world, mode, regions):
     """Train CloudDDP; alongside, an unwrapped copy on the same weights gives this rank's local
     gradient, and the replay turns every rank's into what the bucket must hold."""
     import cloudtrain
     from cloudtrain import CompressionConfig
 
-    cfg = CompressionConfig.resolve(CONFIG, regions="per-rank", timeout_s=TIMEOUT_S)
+    cfg = CompressionConfig.resolve(CONFIG, regions=regions, timeout_s=TIMEOUT_S)
     kwargs = {
         "unused": {"find_unused_parameters": True},
         "static_graph": {"static_graph": True},
@@ -102,7 +102,7 @@ def _versus_replay(rank, world, mode):
     return mismatches, untouched, cloud.comm.step, sent, [p.detach().clone() for p in params]
 
 
-def _every_mode(rank, world, modes):
+def _every_mode(rank, world, modes, regions):
     """All modes, then the conservation run, in one spawn (importing torch's compiler stack,
     which DDP does, costs ~10 s a process on a loaded machine); a mode that raises gives its
     traceback instead."""
@@ -119,7 +119,7 @@ def _every_mode(rank, world, modes):
             if mode == "conservation":
                 results[mode] = _conservation(rank, world)
             else:
-                results[mode] = _versus_replay(rank, world, mode)
+                results[mode] = _versus_replay(rank, world, mode, regions)
         except Exception:
             results[mode] = traceback.format_exc()
         dist.barrier()
@@ -128,13 +128,22 @@ def _every_mode(rank, world, modes):
 
 @pytest.fixture(scope="module")
 def replayed() -> list[dict]:
-    """Every mode's results by rank."""
-    return run_ranks(WORLD, _every_mode, [*MODES, "conservation"], timeout=600)
+    """Every mode's results by rank: 2 ranks, each its own region."""
+    return run_ranks(WORLD, _every_mode, [*MODES, "conservation"], "per-rank", timeout=600)
+
+
+@pytest.fixture(scope="module")
+def replayed_in_two_regions_of_two() -> list[dict]:
+    """4 ranks in regions of 2: the bucket is reduce-scattered in the region, each rank owns
+    and exchanges half of it (the last half padded), and the halves are gathered back."""
+    return run_ranks(4, _every_mode, MODES, ("us", "us", "eu", "eu"), timeout=600)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_lossy_gradients_equal_the_reference_replay(replayed, mode):
-    results = [by_mode[mode] for by_mode in replayed]
+@pytest.mark.parametrize("regions", ["per-rank", "us,us,eu,eu"])
+def test_lossy_gradients_equal_the_reference_replay(request, regions, mode):
+    fixture = "replayed" if regions == "per-rank" else "replayed_in_two_regions_of_two"
+    results = [by_mode[mode] for by_mode in request.getfixturevalue(fixture)]
     for rank, out in enumerate(results):
         assert isinstance(out, tuple), f"rank {rank} raised in mode {mode}:\n{out}"
     for rank, (mismatches, untouched, comm_steps, sent, _) in enumerate(results):
@@ -147,8 +156,9 @@ def test_lossy_gradients_equal_the_reference_replay(replayed, mode):
             assert untouched == 2 * STEPS, "head_b (weight, bias) is never used"
         else:
             assert untouched == 0
-    for a, b in zip(results[0][4], results[1][4], strict=True):
-        assert torch.equal(a, b), "replicas differ"
+    for rank, out in enumerate(results[1:], start=1):
+        for a, b in zip(results[0][4], out[4], strict=True):
+            assert torch.equal(a, b), f"rank {rank}'s parameters differ from rank 0's"
 
 
 # -- error feedback conserves the gradient --------------------------------------------------------
