@@ -21,7 +21,7 @@ from test_ddp import Branchy, batch, loss_of, make_model
 
 WORLD = 2
 STEPS = 4
-TIMEOUT_S = 30.0
+TIMEOUT_S = 90.0
 CONFIGS = {
     "one region, none": ("none", ("a", "a")),
     "two regions, none": ("none", "per-rank"),
@@ -79,6 +79,23 @@ class WithEmpty(torch.nn.Module):
         return self.head(h) + nothing
 
 
+class Checkpointed(torch.nn.Module):
+    """Activation checkpointing: the middle block's forward runs again inside backward."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.fc = torch.nn.Linear(20, 32)
+        self.block = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
+        self.head = torch.nn.Linear(32, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
 def _frozen() -> torch.nn.Module:
     model = make_model()
     for p in model[0].parameters():
@@ -120,6 +137,9 @@ SCENARIOS = {
     "join": (lambda rank: make_model(), {}),
     "join_by_active_ranks": (lambda rank: make_model(), {}),
     "zero_element": (lambda rank: WithEmpty(), {}),
+    "checkpointing": (lambda rank: Checkpointed(reentrant=False), {}),
+    # torch's DDP tests: reentrant checkpointing needs static_graph
+    "reentrant_checkpointing": (lambda rank: Checkpointed(reentrant=True), {"static_graph": True}),
 }
 
 
@@ -303,6 +323,8 @@ def _check(contract: list[dict], scenario: str) -> list[dict]:
         "bf16",
         "fp16",
         "zero_element",
+        "checkpointing",
+        "reentrant_checkpointing",
     ],
 )
 def test_gradients_are_exactly_ddps(contract, scenario):

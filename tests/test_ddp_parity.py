@@ -19,7 +19,7 @@ from test_ddp import Branchy, batch, loss_of, make_model
 
 WORLD = 2
 STEPS = 8
-TIMEOUT_S = 30.0
+TIMEOUT_S = 90.0
 CONFIG = "topk-1pct"
 MODES = ("bf16", "fp16", "amp", "no_sync", "unused", "static_graph")
 
