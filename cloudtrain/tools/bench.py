@@ -49,9 +49,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-METHODS = ("compute", "ddp", "fp16", "powersgd", "cloud-auto", "cloud-topk-1pct", "cloud-diloco")
+METHODS = (
+    "compute",
+    "ddp-loopback",
+    "ddp",
+    "fp16",
+    "powersgd",
+    "cloud-auto",
+    "cloud-topk-1pct",
+    "cloud-diloco",
+)
+LOOPBACK = ("compute", "ddp-loopback")
+"""Methods run on loopback, beside the emulated network: the floor and the baseline."""
 LABELS = {
     "compute": "compute only (loopback)",
+    "ddp-loopback": "DDP, unshaped (loopback)",
     "ddp": "DDP",
     "fp16": "DDP + fp16 hook",
     "powersgd": "DDP + PowerSGD hook",
@@ -94,7 +106,7 @@ def _wrap(method: str, model, world: int, opt=None):
 
     if method == "compute":
         return model
-    if method == "ddp":
+    if method in ("ddp", "ddp-loopback"):
         return DistributedDataParallel(model)
     if method == "fp16":
         ddp = DistributedDataParallel(model)
@@ -168,10 +180,15 @@ def worker(args: argparse.Namespace) -> int:
             seconds = stats.seconds.items()
             result["comm_ms_per_step"] = {k: 1000 * v / args.steps for k, v in seconds}
             if comm.controller is not None:
-                result["plans"] = [(h["step"], h["levels"]) for h in comm.controller.history]
-                result["decisions"] = [h["text"] for h in comm.controller.history]
+                history = comm.controller.history
+                result["plans"] = [(h["step"], h["levels"]) for h in history]
+                result["decisions"] = [h["text"] for h in history]
+                result["staleness"] = sorted(
+                    {h["staleness"] for h in history} | {comm.plan.staleness}
+                )
             else:
                 result["plans"] = [(0, [f"{n}:{lv}" for n, lv in comm.plan.senders])]
+                result["staleness"] = [comm.plan.staleness]
         print("RESULT " + json.dumps(result), flush=True)
     if args.method != "compute":
         import torch.distributed as dist
@@ -200,6 +217,7 @@ class Run:
     step_times: list
     comm_ms: dict | None = None
     decisions: list | None = None
+    staleness: list | None = None
 
 
 def _worker_argv(method: str, args: argparse.Namespace) -> list[str]:
@@ -231,7 +249,7 @@ def _launch(
                "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
                "PYTHONFAULTHANDLER": "1"}  # fmt: skip
         out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
-        if wan is None or method == "compute":
+        if wan is None or method in LOOPBACK:
             full = {**os.environ, "MASTER_ADDR": "127.0.0.1", **env}
             procs.append(
                 subprocess.Popen(_worker_argv(method, args), env=full, stdout=out, text=True)
@@ -272,7 +290,7 @@ def _run_method(
             f"cloudtrain bench: {method} failed (exit codes {codes}); run it alone to see why"
         )
     wan_bytes = None
-    if wan is not None and method != "compute" and before is not None:
+    if wan is not None and method not in LOOPBACK and before is not None:
         after = wan.counters()
         wan_bytes = sum(after[r]["tx_bytes"] - before[r]["tx_bytes"] for r in after)
     times = result["step_times"][args.warmup :]
@@ -286,6 +304,7 @@ def _run_method(
         result["step_times"],
         result.get("comm_ms_per_step"),
         result.get("decisions"),
+        result.get("staleness"),
     )
 
 
@@ -357,6 +376,10 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.scenario == "unshaped":
         methods = [m for m in methods if m in ("compute", "ddp", "cloud-auto")]
+    elif args.scenario in ("hetero", "drop"):
+        pass
+    elif "ddp-loopback" not in methods:
+        methods = ["ddp-loopback", *methods]  # the targets compare with DDP unshaped
     runs: list[Run] = []
     try:
         with tqdm(
@@ -374,6 +397,10 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         if wan is not None:
             wan.down()
     compute = next((r for r in runs if r.method == "compute"), None)
+    baseline = next(
+        (r for r in runs if r.method == ("ddp" if args.scenario == "unshaped" else "ddp-loopback")),
+        None,
+    )
     rows = []
     for run in runs:
         row = {
@@ -381,6 +408,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             "label": LABELS.get(run.method, run.method),
             "step_ms": run.step_ms,
             "x_compute": run.step_ms / compute.step_ms if compute else None,
+            "x_ddp_unshaped": run.step_ms / baseline.step_ms if baseline else None,
+            "staleness": run.staleness,
             "wan_mb_per_step": (
                 run.wan_bytes / (args.steps - args.warmup) / 1e6
                 if run.wan_bytes is not None
@@ -462,16 +491,24 @@ def print_table(report: dict[str, Any]) -> None:
     print(
         f"{report['model']}, {report['ranks']} ranks, global batch {report['global_batch']}, {report['steps']} steps"
     )
-    print(f"{'method':28} {'step ms':>9} {'x compute':>10} {'WAN MB/step':>12} {'accuracy':>9}")
+    print(
+        f"{'method':31} {'step ms':>8} {'x compute':>9} {'x DDP unshaped':>14} "
+        f"{'WAN MB/step':>11} {'staleness':>9} {'accuracy':>8}"
+    )
     for row in report["rows"]:
-        ratio = f"{row['x_compute']:10.2f}" if row["x_compute"] is not None else f"{'':>10}"
+        ratio = f"{row['x_compute']:9.2f}" if row["x_compute"] is not None else f"{'':>9}"
+        versus = row.get("x_ddp_unshaped")
+        versus = f"{versus:14.2f}" if versus is not None else f"{'':>14}"
+        stale = row.get("staleness")
+        stale = "-" if not stale else ",".join(map(str, stale))
         wan = (
-            f"{row['wan_mb_per_step']:12.3f}"
+            f"{row['wan_mb_per_step']:11.3f}"
             if row["wan_mb_per_step"] is not None
-            else f"{'-':>12}"
+            else f"{'-':>11}"
         )
         print(
-            f"{row['label']:28} {row['step_ms']:9.1f} {ratio} {wan} {100 * row['accuracy']:8.2f}%"
+            f"{row['label']:31} {row['step_ms']:8.1f} {ratio} {versus} {wan} {stale:>9} "
+            f"{100 * row['accuracy']:7.2f}%"
         )
     for row in report["rows"]:
         if row.get("comm_ms_per_step"):
