@@ -452,18 +452,13 @@ def test_sparse_gradients_are_refused_when_cloudddp_is_made(contract):
         assert error.startswith("ValueError") and "'embed.weight'" in error and "sparse" in error
 
 
-CHECKS = {"second_hook": _second_hook, "sparse": _sparse}
-"""Checks that are no comparison with DDP, run in the same spawn as the scenarios."""
-
-
 # -- torch.compile --------------------------------------------------------------------------------
 
 
-def _compiled(rank, world):
+def _compiled(rank):
     import cloudtrain
     from cloudtrain import CompressionConfig
 
-    cloudtrain.init()
     torch._dynamo.config.optimize_ddp = True  # the default: graph split at bucket boundaries
     out = {}
     for name, make in (
@@ -471,7 +466,8 @@ def _compiled(rank, world):
         (
             "cloud",
             lambda: cloudtrain.CloudDDP(
-                make_model(), CompressionConfig.resolve("topk:1.0", regions="per-rank")
+                make_model(),
+                CompressionConfig.resolve("topk:1.0", regions="per-rank", timeout_s=TIMEOUT_S),
             ),
         ),
     ):
@@ -484,11 +480,17 @@ def _compiled(rank, world):
     return out
 
 
-def test_torch_compile_of_the_wrapped_model_is_exactly_ddps():
+def test_torch_compile_of_the_wrapped_model_is_exactly_ddps(contract):
     """torch.compile with its default backend (inductor, C++ code generated and compiled here:
     ~30 s on these shared cores), Dynamo's DDPOptimizer splitting the graph at bucket
     boundaries; compiled DDP and compiled CloudDDP run the same kernels, so the same bits."""
-    for out in run_ranks(WORLD, _compiled, timeout=300):
+    for rank, by_check in enumerate(contract):
+        out = by_check["compile"]
+        assert isinstance(out, dict), f"rank {rank} raised:\n{out}"
         found = _differences(out["ddp"], out["cloud"])
         assert not found, "; ".join(found[:6])
         assert out["compressed_steps"] == STEPS
+
+
+CHECKS = {"second_hook": _second_hook, "sparse": _sparse, "compile": _compiled}
+"""Checks that are no scenario compared with DDP, run in the same spawn as the scenarios."""
