@@ -170,9 +170,9 @@ class OuterConfig:
     (outer copy - local parameters) crosses regions compressed, is averaged, and an outer SGD
     step on the outer copy gives the new parameters."""
 
-    sync_every: int | str = 50
-    """H: inner steps between two syncs of a fragment, or "auto" (chosen from the measured link
-    and step time so that the exchange fits; cloudtrain.outer.choose_schedule)."""
+    sync_every: int | str = AUTO
+    """H: inner steps between two syncs of a fragment, or "auto": the smallest H whose exchange
+    fits the measured link and step time (cloudtrain.outer.choose_schedule)."""
 
     outer_lr: float = 1.0
     """Learning rate of the outer SGD step (1 with momentum 0: plain averaging of the regions)."""

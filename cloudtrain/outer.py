@@ -116,6 +116,8 @@ def choose_schedule(
 ) -> Schedule:
     """H and each region's codec for the outer exchange (module docstring): the smallest H, then
     per region the least compression, such that every region's exchange of one fragment fits.
+    When none fits: the largest H, and per region the least compression whose exchange is within
+    one budget of the fastest rung's (compression that does not save time only costs accuracy).
 
     Budget per exchange: with overlap, the tau steps it hides behind, and the link must carry the
     F fragments' exchanges within H steps; without, STALL_SHARE of the H/F steps between two
@@ -147,9 +149,17 @@ def choose_schedule(
                     break
         if len(rungs) == len(links):
             return Schedule(h, tuple(rungs), worst, True)
-    h, last = candidates[-1], ladder[-1]
-    worst = max(exchange_seconds(link, wire_nbytes(last, m), receivers) for link in links)
-    return Schedule(h, tuple(last for _ in links), worst, False)
+    # Nothing fits (the round trip alone may not): the largest H, and per region the least
+    # compression within one budget of the fastest rung - more would cost accuracy, not time.
+    h = candidates[-1]
+    budget = min(overlap, h) * step_s if overlap else STALL_SHARE * step_s * h / fragments
+    rungs, worst = [], 0.0
+    for link in links:
+        times = [exchange_seconds(link, wire_nbytes(rung, m), receivers) for rung in ladder]
+        pick = next(i for i, t in enumerate(times) if t <= min(times) + budget)
+        rungs.append(ladder[pick])
+        worst = max(worst, times[pick])
+    return Schedule(h, tuple(rungs), worst, False)
 
 
 def region_links(topo: Topology) -> list[Link]:

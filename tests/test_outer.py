@@ -266,7 +266,16 @@ def test_schedule_overlap_hides_exchange_in_tau_steps():
     s = choose_schedule(1_400_000, links, 2, 0.05, 4, 5, nbytes)
     assert s.fits and s.exchange_s <= 5 * 0.05 and s.sync_every > 5
     never = choose_schedule(1_400_000, links, 2, 0.05, 1, 1, nbytes)  # 50 ms < one RTT
-    assert not never.fits and never.rungs[0] == OUTER_LADDER[-1]
+    assert not never.fits
+    # the bytes take 6 of the 50 ms at top-k 10% + 4-bit; more compression would not be faster
+    assert never.rungs[0] == ("topk>quant", (0.1, 4))
+    assert never.exchange_s <= 0.18 + 0.05
+
+
+def test_schedule_round_trip_bound_link_compresses_only_what_saves_time():
+    links = [Link(1e10, 0.5)] * 2  # fast, far: the RTT alone exceeds every budget
+    s = choose_schedule(1_000_000, links, 1, 0.01, 1, 0, nbytes, sync_every=10)
+    assert not s.fits and s.rungs == (("none", None),) * 2
 
 
 def test_schedule_bad_inputs():
