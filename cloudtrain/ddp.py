@@ -114,6 +114,8 @@ class CloudDDP(DistributedDataParallel):
         outer = config.outer is not None
         self.comm = CommState(config, topo, params, names, region_only=outer)
         self.register_comm_hook(self.comm, compressed_hook)
+        if ddp_kwargs.get("find_unused_parameters"):
+            self.comm.used_map = self.reducer._get_local_used_map  # see CommState.used_map
         self.outer = OuterLoop(config, topo, params, optimizer, self.comm.stats) if outer else None
         if topo.single_region and not config.lossless and config.codec != AUTO:
             log.info(

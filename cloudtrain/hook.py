@@ -75,6 +75,7 @@ class CommState:
         "_queue",
         "_step_futures",
         "_thread",
+        "_written",
         "codecs",
         "config",
         "controller",
@@ -92,6 +93,7 @@ class CommState:
         "step",
         "stream",
         "topo",
+        "used_map",
     )
 
     def __init__(
@@ -131,6 +133,10 @@ class CommState:
         self.plan = self._first_plan()
         self._first_of_step = True
         self._step_futures: list[torch.futures.Future] | None = None
+        self.used_map: Any = None
+        """With find_unused_parameters: a callable giving DDP's used map after backward (one
+        entry per trainable parameter), so what is sent for unused ones is not lost."""
+        self._written: list[tuple[tuple, torch.Tensor]] = []
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.stream = None
@@ -204,6 +210,8 @@ class CommState:
         """Queued on the autograd engine: runs before DDP's own end of backward (which DDP queues
         after the last bucket is handed over) and raises what failed, with its own type."""
         futures, self._step_futures = self._step_futures or [], None
+        if self.used_map is not None:  # runs after DDP's end of backward: callbacks run in order
+            torch.autograd.Variable._execution_engine.queue_callback(self._reclaim_unused)
         for fut in futures:
             try:
                 fut.wait()
@@ -250,6 +258,7 @@ class CommState:
                 if last:
                     self.observer.step_started()
                 self._check_finite(result, step, index)
+                self._keep_written(signature, result)
                 return result
             except Exception as e:
                 if not isinstance(e, ValueError):
@@ -343,6 +352,7 @@ class CommState:
             buf.zero_()
             self.pipeline.apply_due(self.step - staleness, job.signature, buf, self.path.finish)
         self._check_finite(buf, self.step, job.index)
+        self._keep_written(job.signature, buf)
         if job.is_last:
             self.stats.compressed_steps += 1
             self._end_step()
@@ -373,6 +383,28 @@ class CommState:
         self.path.reduce_bucket(piece, self.plan, self.step, unit.index, where)
         for (_, here, numel), (_, there, _) in zip(unit.layout, unit.placement, strict=True):
             buf[there : there + numel] = piece[here : here + numel]
+
+    def _keep_written(self, signature: tuple, result: torch.Tensor) -> None:
+        if self.used_map is not None:
+            self._written.append((signature, result.detach().clone()))
+
+    def _reclaim_unused(self) -> None:
+        """After DDP's end of backward: DDP leaves the gradient of a parameter unused on every
+        rank alone, so what this step's sum holds for it - residuals that error feedback let go
+        of, pieces that waited for it - would be lost. Rank 0 takes it back (pending): it is
+        added into that parameter's next gradient, once, as any pending piece is."""
+        written, self._written = self._written, []
+        used = self.used_map()
+        trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
+        unused = {trainable[j] for j in range(min(len(trainable), used.numel())) if not used[j]}
+        if not unused or self.topo.rank != 0:
+            return
+        for signature, result in written:
+            for pi, offset, numel in signature:
+                if pi in unused:
+                    piece = result[offset : offset + numel].float().cpu().clone()
+                    if bool(piece.any()):
+                        self.layouts.pending.setdefault(pi, []).append((0, piece))
 
     def _check_finite(self, result: torch.Tensor, step: int, index: int) -> None:
         if self.config.nonfinite == "raise" and not all_finite(result):

@@ -238,11 +238,6 @@ def test_error_feedback_loses_nothing_of_parameters_used_every_step(replayed):
     assert not lost, f"error feedback lost gradient mass: {lost}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a parameter unused on every rank: its residual goes into the bucket, top-k sends "
-    "part of it, and DDP does not write that slot back to .grad - the hook never reclaims it",
-)
 def test_error_feedback_loses_nothing_of_a_head_unused_after_step_0(replayed):
     lost = _lost(replayed, ("head_b",))
     assert not lost, f"error feedback lost gradient mass: {lost}"
