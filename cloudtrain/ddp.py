@@ -41,6 +41,18 @@ def _model_description(module: torch.nn.Module) -> list[tuple[str, tuple[int, ..
     ]
 
 
+def _check_dense(module: torch.nn.Module) -> None:
+    """CloudDDP compresses dense buckets: a module that makes sparse gradients is refused now,
+    naming the parameter, not inside backward()."""
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, torch.nn.Embedding | torch.nn.EmbeddingBag) and sub.sparse:
+            name = f"{prefix}.weight" if prefix else "weight"
+            raise ValueError(
+                f"CloudDDP: parameter {name!r} gets sparse gradients ({type(sub).__name__} with "
+                "sparse=True); CloudDDP reduces dense gradients - make it sparse=False"
+            )
+
+
 def _check_agreement(module: torch.nn.Module, config: CompressionConfig) -> None:
     """All ranks compare model and config before the first step; a difference raises, named."""
     from . import __version__
@@ -106,6 +118,7 @@ class CloudDDP(DistributedDataParallel):
         init(timeout_s=config.timeout_s)
         if "process_group" in ddp_kwargs:
             raise ValueError("CloudDDP makes its own process groups; do not pass process_group")
+        _check_dense(module)
         _check_agreement(module, config)
         super().__init__(module, **ddp_kwargs)
         topo = Topology.discover(config, config.timeout)
@@ -113,7 +126,7 @@ class CloudDDP(DistributedDataParallel):
         names = [name for name, _ in self.module.named_parameters()]
         outer = config.outer is not None
         self.comm = CommState(config, topo, params, names, region_only=outer)
-        self.register_comm_hook(self.comm, compressed_hook)
+        super().register_comm_hook(self.comm, compressed_hook)
         if ddp_kwargs.get("find_unused_parameters"):
             self.comm.used_map = self.reducer._get_local_used_map  # see CommState.used_map
         self.outer = OuterLoop(config, topo, params, optimizer, self.comm.stats) if outer else None
@@ -165,14 +178,34 @@ class CloudDDP(DistributedDataParallel):
         path, seconds per stage (cloudtrain.stats)."""
         return self.comm.stats.copy()
 
-    def join(self, *args: Any, **kwargs: Any) -> Any:
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        raise RuntimeError(
+            "CloudDDP registers its own communication hook (that is what CloudDDP is); a second "
+            "one cannot be added. Use torch's DistributedDataParallel for a hook of your own"
+        )
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        self.register_comm_hook(None, comm_hook_type)
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Any:
+        if not divide_by_initial_world_size:
+            raise ValueError(
+                "CloudDDP: join(divide_by_initial_world_size=False) is not supported - a comm hook "
+                "is not told how many ranks still train, so CloudDDP always divides by the world "
+                "size (the default, divide_by_initial_world_size=True)"
+            )
         if self.comm.config.verify_every:
             raise ValueError(
                 "CloudDDP: join() leaves the ranks that ran out of inputs with their old parameters "
                 "(DDP's design), so replicas differ by intent and verify_every would report them; "
                 "use CompressionConfig(verify_every=0) with join(), or even out the inputs"
             )
-        return super().join(*args, **kwargs)
+        return super().join(divide_by_initial_world_size, enable, throw_on_early_termination)
 
     def _match_all_reduce_for_bwd_pass(self) -> None:
         # join(): ranks out of inputs shadow every bucket with zeros through the hook and wait on
