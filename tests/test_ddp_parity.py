@@ -116,8 +116,8 @@ def _every_mode(rank, world, modes, regions):
     results = {}
     for mode in modes:
         try:
-            if mode == "conservation":
-                results[mode] = _conservation(rank, world)
+            if mode.startswith("conservation"):
+                results[mode] = _conservation(rank, world, regions, mode.endswith("bucket_view"))
             else:
                 results[mode] = _versus_replay(rank, world, mode, regions)
         except Exception:
@@ -129,14 +129,16 @@ def _every_mode(rank, world, modes, regions):
 @pytest.fixture(scope="module")
 def replayed() -> list[dict]:
     """Every mode's results by rank: 2 ranks, each its own region."""
-    return run_ranks(WORLD, _every_mode, [*MODES, "conservation"], "per-rank", timeout=600)
+    modes = [*MODES, "conservation", "conservation_bucket_view"]
+    return run_ranks(WORLD, _every_mode, modes, "per-rank", timeout=600)
 
 
 @pytest.fixture(scope="module")
 def replayed_in_two_regions_of_two() -> list[dict]:
     """4 ranks in regions of 2: the bucket is reduce-scattered in the region, each rank owns
     and exchanges half of it (the last half padded), and the halves are gathered back."""
-    return run_ranks(4, _every_mode, MODES, ("us", "us", "eu", "eu"), timeout=600)
+    modes = [*MODES, "conservation"]
+    return run_ranks(4, _every_mode, modes, ("us", "us", "eu", "eu"), timeout=600)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -166,9 +168,9 @@ def test_lossy_gradients_equal_the_reference_replay(request, regions, mode):
 CONSERVATION_STEPS = 12
 
 
-def _conservation(rank, world):
-    """Plain SGD, top-k 10 %, find_unused_parameters, head_b used at step 0 only (on every
-    rank). Per parameter, in float64: the gradients applied over the steps, every rank's residual
+def _conservation(rank, world, regions, bucket_view):
+    """Plain SGD, top-k 10 %, find_unused_parameters (and gradient_as_bucket_view, the bucket
+    then being the gradients), head_b used at step 0 only (on every rank). Per parameter, in float64: the gradients applied over the steps, every rank's residual
     (held by the error feedback or waiting for its parameter), and the sum of every rank's local
     gradients / world."""
     import torch.distributed as dist
@@ -177,9 +179,11 @@ def _conservation(rank, world):
     from cloudtrain import CompressionConfig
 
     cloudtrain.init(timeout_s=TIMEOUT_S)
-    cfg = CompressionConfig.resolve("topk:0.1", regions="per-rank", timeout_s=TIMEOUT_S)
+    cfg = CompressionConfig.resolve("topk:0.1", regions=regions, timeout_s=TIMEOUT_S)
     model, shadow = Branchy(), Branchy()
-    cloud = cloudtrain.CloudDDP(model, cfg, find_unused_parameters=True)
+    cloud = cloudtrain.CloudDDP(
+        model, cfg, find_unused_parameters=True, gradient_as_bucket_view=bucket_view
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     params, shadow_params = list(model.parameters()), list(shadow.parameters())
     names = [name for name, _ in model.named_parameters()]
@@ -219,9 +223,9 @@ def _conservation(rank, world):
     return names, applied, held, truth
 
 
-def _lost(replayed: list[dict], heads: tuple[str, ...]) -> dict[str, str]:
+def _lost(results: list[dict], run: str, heads: tuple[str, ...]) -> dict[str, str]:
     """Parameters of `heads` whose gradient is not all in the updates and the residuals."""
-    out = replayed[0]["conservation"]
+    out = results[0][run]
     assert isinstance(out, tuple), f"rank 0 raised:\n{out}"
     lost = {}
     for name, a, h, t in zip(*out, strict=True):
@@ -233,11 +237,20 @@ def _lost(replayed: list[dict], heads: tuple[str, ...]) -> dict[str, str]:
     return lost
 
 
-def test_error_feedback_loses_nothing_of_parameters_used_every_step(replayed):
-    lost = _lost(replayed, ("body", "head_a"))
+CONSERVATION_RUNS = [
+    ("replayed", "conservation"),
+    ("replayed", "conservation_bucket_view"),
+    ("replayed_in_two_regions_of_two", "conservation"),
+]
+
+
+@pytest.mark.parametrize("fixture,run", CONSERVATION_RUNS)
+def test_error_feedback_loses_nothing_of_parameters_used_every_step(request, fixture, run):
+    lost = _lost(request.getfixturevalue(fixture), run, ("body", "head_a"))
     assert not lost, f"error feedback lost gradient mass: {lost}"
 
 
-def test_error_feedback_loses_nothing_of_a_head_unused_after_step_0(replayed):
-    lost = _lost(replayed, ("head_b",))
+@pytest.mark.parametrize("fixture,run", CONSERVATION_RUNS)
+def test_error_feedback_loses_nothing_of_a_head_unused_after_step_0(request, fixture, run):
+    lost = _lost(request.getfixturevalue(fixture), run, ("head_b",))
     assert not lost, f"error feedback lost gradient mass: {lost}"
