@@ -145,6 +145,22 @@ def plain_seconds(
     return 2 * nbytes / link.bandwidth + buckets * link.rtt / 2
 
 
+def useful_depths(
+    links: Sequence[LinkEstimate],
+    compute_time: float,
+    options: ControllerOptions,
+    allowed: Sequence[int],
+) -> tuple[int, ...]:
+    """The pipeline depths worth considering: all allowed ones where a round trip is long enough
+    to matter (half of it at least half the time the exchange may stay hidden), else only the
+    shallowest. A pipeline is for round trips: bytes are the compression's job, and a pipelined
+    exchange costs a dense reduction in the region that a plain all-reduce does not."""
+    hidden = options.hidden_fraction * compute_time
+    if any(link.rtt / 2 >= 0.5 * hidden for link in links):
+        return tuple(allowed)
+    return (min(allowed),)
+
+
 def plan_levels(
     links: Sequence[LinkEstimate],
     compute_time: float,
@@ -269,8 +285,10 @@ def plan_staleness(
         out = 0.0
         for link, r in zip(links, rungs, strict=True):
             transfer = codecs.step_nbytes(ladder[r], shard_numels, receivers) / link.bandwidth
+            # "none" through the hierarchy pays the dense reduction too (as in plan_levels)
+            cost = cpu[r] + (max(extra) if ladder[r][0] == "none" else extra[r])
             t = exchange_seconds(
-                transfer + cpu[r] + extra[r],
+                transfer + cost,
                 link.rtt,
                 len(shard_numels),
                 compute_time,
@@ -285,6 +303,12 @@ def plan_staleness(
 
     choices = sorted(set(allowed))
     times = {s: worst(s) for s in choices}
+    if 0 in times and none_seconds is not None and not any(rungs):
+        # the plain all-reduce was measured, the pipelined hierarchy is a model: it is left
+        # only for a clearly (1.5x) shorter exposed time, not for a model's few milliseconds
+        plain = max(times[0] - usable, 0.0)
+        times = {s: v if s == 0 or max(v - usable, 0.0) * 1.5 < plain else math.inf
+                 for s, v in times.items()}  # fmt: skip
     hidden = [s for s in choices if times[s] <= usable]
     if hidden:
         return hidden[0]
@@ -451,6 +475,7 @@ class Controller:
             for b, t in zip(self.bandwidth, self.rtt, strict=True)
         ]
         compute, cpu = self.options.initial_compute_s, self.cpu_seconds(shard_numels)
+        depths = useful_depths(estimates, compute, self.options, self.allowed_staleness)
         self.rungs, self.streak, _ = plan_levels(
             estimates,
             compute,
@@ -458,7 +483,7 @@ class Controller:
             options=self.options,
             cpu_seconds=cpu,
             codecs=self.codecs,
-            staleness=self.allowed_staleness,
+            staleness=depths,
         )
         self.staleness = plan_staleness(
             estimates,
@@ -468,7 +493,7 @@ class Controller:
             self.options,
             cpu,
             codecs=self.codecs,
-            allowed=self.allowed_staleness,
+            allowed=depths,
         )
 
     # -- decisions (all ranks call, rank 0 decides) ----------------------------------------------
@@ -605,6 +630,7 @@ class Controller:
             )
         lossy = overhead + (self.unmodelled_s or 0.0)
         extra = [0.0 if name == "none" else lossy for name, _ in opts.ladder]
+        depths = useful_depths(links, compute_time, opts, self.allowed_staleness)
         rungs, streak, budgets = plan_levels(
             links,
             compute_time,
@@ -616,7 +642,7 @@ class Controller:
             extra,
             self.allreduce_s,
             self.codecs,
-            self.allowed_staleness,
+            depths,
         )
         staleness = plan_staleness(
             links,
@@ -628,11 +654,11 @@ class Controller:
             extra,
             self.allreduce_s,
             self.codecs,
-            self.allowed_staleness,
+            depths,
         )
         # a shallower pipeline one step at a time: each change of depth applies two steps'
         # gradients at once (or none), so it should not flap
-        staleness = max(staleness, self.staleness - 1)
+        staleness = max(staleness, min(self.staleness - 1, max(depths)))
         names = self.topo.regions
         text = (
             "plan "

@@ -18,6 +18,7 @@ from cloudtrain.controller import (
     plan_staleness,
     rung_bytes,
     rung_density,
+    useful_depths,
 )
 from cloudtrain.probe import LinkMatrix, cluster_regions, fit_link
 
@@ -362,3 +363,12 @@ def test_measured_uncompressed_time_decides_for_none():
     assert leave[0] > 0
     with pytest.raises(ValueError, match="cpu_seconds: one non-negative"):
         plan_levels(link, 0.2, SHARDS, cpu_seconds=[0.0])
+
+
+def test_a_pipeline_only_where_round_trips_matter():
+    opts = ControllerOptions()
+    near = [LinkEstimate(1000 * MBIT, 0.001)] * 2
+    far = [LinkEstimate(1000 * MBIT, 0.080)] * 2
+    assert useful_depths(near, 0.015, opts, ALL_DEPTHS) == (0,)
+    assert useful_depths(far, 0.015, opts, ALL_DEPTHS) == ALL_DEPTHS
+    assert useful_depths(far, 0.015, opts, (2,)) == (2,)  # a pinned depth stays
