@@ -1,22 +1,22 @@
 """A reference replay of CloudDDP's compressed data path, with the codec library alone.
 
     replay = Replay(config, topo.members, world)
-    expected = replay.bucket(step, layout, flats)   # flats: every rank's local gradient as
-                                                    # DDP's bucket `layout` lays it out
+    expected = replay.step(step, layouts, flats)    # by bucket index; flats[b]: every rank's
+                                                    # local gradient as DDP's bucket b lays it out
 
-`bucket` is what every rank's DDP bucket must hold after the hook: each rank's local gradient
+`step` gives what every rank's DDP buckets must hold after the hook: each rank's local gradient
 scaled by 1/world in the bucket's dtype, residuals of a changed layout added back into their
 parameters (as cloudtrain.layout does), summed in each region, cut into shards, every region's
 shard compressed with its own error feedback (keyed (bucket, shard), random key (seed, step,
-bucket, region)), decoded and summed in region order, cast back to the bucket's dtype. It knows
-nothing of the hook, the communication thread or DDP, so a data path that dropped, doubled,
-misplaced or mis-scaled anything differs from it. One DDP bucket (the models in these tests are
-small); regions of at most 2 ranks, whose dense sum does not depend on gloo's order.
+bucket * shards + shard, region)), decoded and summed in region order, cast back to the
+bucket's dtype. It knows nothing of the hook, the communication thread or DDP, so a data path
+that dropped, doubled, misplaced or mis-scaled anything differs from it. Regions of at most 2
+ranks, whose dense sum does not depend on gloo's order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -39,19 +39,27 @@ class Replay:
         self.shards = min(len(m) for m in self.members)
         self.codec = config.make_codec()
         self.level = self.codec.check_level(config.level)
-        self.efs: dict[tuple[int, int], ErrorFeedback] = {}  # (region, shard) -> its owner's
-        self.previous: Layout | None = None
+        self.efs: dict[tuple[int, int, int], ErrorFeedback] = {}  # (region, bucket, shard)
+        self.previous: dict[int, Layout] | None = None
 
-    def bucket(self, step: int, layout: Layout, flats: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The bucket every rank must hold after the hook at `step` (flats: one per rank)."""
+    def step(
+        self, step: int, layouts: Mapping[int, Layout], flats: Mapping[int, Sequence[torch.Tensor]]
+    ) -> dict[int, torch.Tensor]:
+        """What every DDP bucket must hold after the hook at `step`: layouts and flats (every
+        rank's local gradient in that layout) by bucket index."""
+        layouts = dict(layouts)
+        scaled = {b: [f.mul(1.0 / self.world) for f in flats[b]] for b in layouts}  # as DDP
+        if self.previous is not None and self.previous != layouts:
+            self._release(layouts, scaled)
+        self.previous = layouts
+        return {b: self._bucket(step, b, layouts[b], scaled[b]) for b in sorted(layouts)}
+
+    def _bucket(
+        self, step: int, index: int, layout: Layout, scaled: list[torch.Tensor]
+    ) -> torch.Tensor:
         n = sum(numel for _, _, numel in layout)
-        dtype = flats[0].dtype
-        shards = self.shards
+        dtype, shards = scaled[0].dtype, self.shards
         m = -(-n // shards)
-        scaled = [f.mul(1.0 / self.world) for f in flats]  # as DDP: times the reciprocal
-        if self.previous is not None and self.previous != layout:
-            self._release(layout, scaled, m)
-        self.previous = layout
         totals = []
         for members in self.members:
             total = torch.zeros(shards * m, dtype=dtype)
@@ -64,27 +72,31 @@ class Replay:
             packets = []
             for region, total in enumerate(totals):
                 ef = self.efs.setdefault(
-                    (region, j), ErrorFeedback(self.config.residual_torch_dtype)
+                    (region, index, j), ErrorFeedback(self.config.residual_torch_dtype)
                 )
-                key = RandomKey(self.config.seed, step, j, region)
+                key = RandomKey(self.config.seed, step, index * shards + j, region)
                 x = total[j * m : (j + 1) * m]
-                packets.append(ef.encode((0, j), x, self.codec, self.level, key, valid=n - j * m))
+                packets.append(
+                    ef.encode((index, j), x, self.codec, self.level, key, valid=n - j * m)
+                )
             for packet in packets:  # in region order, as every rank sums them
                 self.codec.accumulate([packet], out)
         return expected[:n].to(dtype)
 
-    def _release(self, layout: Layout, scaled: list[torch.Tensor], m: int) -> None:
-        """DDP changed its bucket: each shard owner's residual goes back into its own gradient,
+    def _release(self, layouts: dict[int, Layout], scaled: dict[int, list[torch.Tensor]]) -> None:
+        """DDP changed its buckets: each shard owner's residuals go back into its own gradient,
         at the parameters' new places."""
-        new_offset = {pi: offset for pi, offset, _ in layout}
-        for (region, j), ef in self.efs.items():
-            residual = ef.residuals[(0, j)].float()
+        place = {pi: (b, offset) for b, layout in layouts.items() for pi, offset, _ in layout}
+        for (region, index, j), ef in self.efs.items():
+            residual = ef.residuals[(index, j)].float()
+            m = residual.numel()
             owner = self.members[region][j]
-            for pi, offset, numel in self.previous:
+            for pi, offset, numel in self.previous[index]:
                 a, b = max(j * m, offset), min((j + 1) * m, offset + numel)
                 if a < b:
-                    start = new_offset[pi] + a - offset
-                    view = scaled[owner][start : start + b - a]
+                    bucket, new_offset = place[pi]
+                    start = new_offset + a - offset
+                    view = scaled[bucket][owner][start : start + b - a]
                     view.add_(residual[a - j * m : b - j * m].to(view.dtype))
         self.efs = {}
 

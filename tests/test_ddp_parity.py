@@ -21,7 +21,7 @@ WORLD = 2
 STEPS = 8
 TIMEOUT_S = 90.0
 CONFIG = "topk-1pct"
-MODES = ("bf16", "fp16", "amp", "no_sync", "unused", "static_graph")
+MODES = ("bf16", "fp16", "amp", "no_sync", "unused", "static_graph", "buckets")
 
 
 def _model(mode: str) -> torch.nn.Module:
@@ -59,6 +59,7 @@ def _versus_replay(rank, world, mode, regions):
     kwargs = {
         "unused": {"find_unused_parameters": True},
         "static_graph": {"static_graph": True},
+        "buckets": {"bucket_cap_mb": 0.002},  # several after DDP's rebuild at step 1
     }.get(mode, {})
     model, shadow = _model(mode), _model(mode)
     cloud = cloudtrain.CloudDDP(model, cfg, **kwargs)
@@ -67,7 +68,7 @@ def _versus_replay(rank, world, mode, regions):
     shadow_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if mode == "amp" else None
     replay = Replay(cfg, cloud.topology.members, world)
     params, shadow_params = list(model.parameters()), list(shadow.parameters())
-    mismatches, untouched = [], 0
+    mismatches, untouched, buckets = [], 0, 0
     for step in range(STEPS):
         if mode == "no_sync":  # two micro-batches accumulate locally, the third syncs
             with cloud.no_sync():
@@ -76,18 +77,23 @@ def _versus_replay(rank, world, mode, regions):
                     _backward(shadow, mode, rank, 100 * step + micro, shadow_scaler)
         _backward(cloud, mode, rank, step, scaler)
         _backward(shadow, mode, rank, step, shadow_scaler)
-        (layout,) = cloud.comm.layouts.layouts.values()
-        flats = every_rank(flat_gradient(shadow_params, layout), world)
-        expected = replay.bucket(step, layout, flats)
-        for pi, offset, numel in layout:
-            want = expected[offset : offset + numel].view_as(params[pi])
-            got = params[pi].grad
-            if got is None:  # unused on every rank: DDP leaves the gradient alone
-                assert all(f[offset : offset + numel].eq(0).all() for f in flats)
-                untouched += 1
-            elif not torch.equal(got, want):
-                worst = (got.float() - want.float()).abs().max().item()
-                mismatches.append((step, pi, worst))
+        layouts = dict(cloud.comm.layouts.layouts)
+        flats = {
+            b: every_rank(flat_gradient(shadow_params, layout), world)
+            for b, layout in sorted(layouts.items())
+        }
+        expected = replay.step(step, layouts, flats)
+        buckets = max(buckets, len(layouts))
+        for b, layout in layouts.items():
+            for pi, offset, numel in layout:
+                want = expected[b][offset : offset + numel].view_as(params[pi])
+                got = params[pi].grad
+                if got is None:  # unused on every rank: DDP leaves the gradient alone
+                    assert all(f[offset : offset + numel].eq(0).all() for f in flats[b])
+                    untouched += 1
+                elif not torch.equal(got, want):
+                    worst = (got.float() - want.float()).abs().max().item()
+                    mismatches.append((step, pi, worst))
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
@@ -99,7 +105,8 @@ def _versus_replay(rank, world, mode, regions):
             for s, p in zip(shadow_params, params, strict=True):
                 s.copy_(p)
     sent = cloud.stats().wan_bytes_sent
-    return mismatches, untouched, cloud.comm.step, sent, [p.detach().clone() for p in params]
+    params_now = [p.detach().clone() for p in params]
+    return mismatches, untouched, cloud.comm.step, sent, params_now, buckets
 
 
 def _every_mode(rank, world, modes, regions):
@@ -148,12 +155,13 @@ def test_lossy_gradients_equal_the_reference_replay(request, regions, mode):
     results = [by_mode[mode] for by_mode in request.getfixturevalue(fixture)]
     for rank, out in enumerate(results):
         assert isinstance(out, tuple), f"rank {rank} raised in mode {mode}:\n{out}"
-    for rank, (mismatches, untouched, comm_steps, sent, _) in enumerate(results):
+    for rank, (mismatches, untouched, comm_steps, sent, _, buckets) in enumerate(results):
         assert mismatches == [], (
             f"rank {rank}: (step, parameter, max |diff|) where CloudDDP's gradient is not the "
             f"replay's: {mismatches[:6]}"
         )
         assert comm_steps == STEPS and sent > 0
+        assert buckets > 1 if mode == "buckets" else buckets == 1
         if mode == "static_graph":
             assert untouched == 2 * STEPS, "head_b (weight, bias) is never used"
         else:
