@@ -1,10 +1,15 @@
 """CloudDDP's lossy path in every DDP mode gives the gradients it should, not merely the same on
 every replica: each step's gradients must be bit for bit those of a reference replay of the data
 path (tests/replay.py) fed with each rank's local gradient from an unwrapped copy of the model.
-The lossless path in the same modes is compared with plain DDP in test_ddp_contract.py.
+Modes: bf16 and fp16 parameters, AMP (CPU autocast in bfloat16 with a GradScaler: this machine
+has no GPU), no_sync accumulation, find_unused_parameters (a head one rank leaves out),
+static_graph, several buckets (DDP's rebuild moves the residuals); on 2 ranks each its own region,
+and on 4 ranks in two regions of two (sharded exchange). The lossless path in the same modes is
+compared with plain DDP in test_ddp_contract.py.
 
 And error feedback loses nothing: summed over the steps, the gradient applied plus every rank's
-residual is, per parameter, the sum of the gradients - with find_unused_parameters too.
+residual is, per parameter, the sum of the gradients - also for a head no rank uses after step 0
+(find_unused_parameters: DDP does not write its slot back, the hook must take it back).
 
     .venv/bin/python -m pytest tests/test_ddp_parity.py -x -q
 """
