@@ -1,0 +1,91 @@
+"""Collectives with deadlines (cloudtrain.collectives) on real processes over gloo: packets in
+region order from both exchanges, arrival times, issue-now-wait-later, and errors that name the
+stage, the peers and where - within the timeout - instead of a hang."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+from distributed import run_ranks
+
+
+def _exchanges(rank, world):
+    import torch.distributed as dist
+
+    import cloudtrain
+    from cloudtrain.collectives import exchange_fixed, exchange_sized
+
+    cloudtrain.init(timeout_s=30)
+    group = dist.new_group([0, 1, 2], backend="gloo")
+    peers = (2, 0, 1)  # region order is not rank order
+    me = peers.index(rank)
+    fixed_wire = torch.full((5,), rank, dtype=torch.uint8)
+    fixed = exchange_fixed(fixed_wire, peers, group, timedelta(seconds=30)).wait()
+    sizes = [3, 7, 11]
+    wire = torch.full((sizes[me],), 10 + rank, dtype=torch.uint8)
+    timings: dict[int, float] = {}
+    pending = exchange_sized(wire, sizes, peers, me, group, timedelta(seconds=30), "", timings)
+    sized = pending.wait()
+    return [t.tolist() for t in fixed], [t.tolist() for t in sized], sorted(timings)
+
+
+def test_both_exchanges_give_every_region_its_packet_in_region_order():
+    for rank, (fixed, sized, timed) in enumerate(run_ranks(3, _exchanges)):
+        assert fixed == [[2] * 5, [0] * 5, [1] * 5]
+        assert sized == [[12] * 3, [10] * 7, [11] * 11]
+        me = (2, 0, 1).index(rank)
+        assert timed == sorted(i for i in range(3) if i != me)  # every other sender timed
+
+
+def _peer_dies(rank, world):
+    import torch.distributed as dist
+
+    import cloudtrain
+    from cloudtrain.collectives import CommError, exchange_fixed
+
+    cloudtrain.init(timeout_s=6)
+    group = dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=6))
+    wire = torch.zeros(4, dtype=torch.uint8)
+    exchange_fixed(wire, (0, 1), group, timedelta(seconds=6)).wait()  # both alive once
+    if rank == 1:
+        os._exit(1)
+    t0 = time.monotonic()
+    try:
+        pending = exchange_fixed(wire, (0, 1), group, timedelta(seconds=6), " at step 3, bucket 0")
+        pending.wait()
+    except CommError as e:
+        return str(e), time.monotonic() - t0
+    return None, 0.0
+
+
+def test_a_dead_peer_is_a_comm_error_naming_stage_peers_and_where():
+    text, seconds = run_ranks(2, _peer_dies, timeout=60, allow_failures=True)[0]
+    assert text is not None, "rank 0 must raise"
+    assert "cross-region exchange (all_gather)" in text and "ranks [0, 1]" in text
+    assert "at step 3, bucket 0" in text and "A peer may have died" in text
+    assert seconds < 6 + 5
+
+
+def _wrong_size(rank, world):
+    import torch.distributed as dist
+
+    import cloudtrain
+    from cloudtrain.collectives import CommError, exchange_sized
+
+    cloudtrain.init(timeout_s=30)
+    group = dist.new_group([0, 1], backend="gloo")
+    try:
+        exchange_sized(
+            torch.zeros(9, dtype=torch.uint8), [8, 8], (0, 1), rank, group, timedelta(seconds=5)
+        )
+    except CommError as e:
+        return str(e)
+    return None
+
+
+def test_own_packet_of_another_size_than_the_plan_is_refused_before_sending():
+    for text in run_ranks(2, _wrong_size):
+        assert text is not None and "own packet is 9 bytes, the plan announced 8" in text
