@@ -357,7 +357,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     links = scenario_links(args)
     if ok:
         unshaped = dict.fromkeys(("us", "eu"), UNSHAPED_MBIT)
-        name = f"bench{os.getpid() % 10000}"
+        name = f"bench{os.getpid()}"  # unique among the benches running now
         wan = netem.Emulator(
             {"us": 2, "eu": 2},
             links.up or unshaped,
