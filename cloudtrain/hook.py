@@ -385,8 +385,10 @@ class CommState:
             buf[there : there + numel] = piece[here : here + numel]
 
     def _keep_written(self, signature: tuple, result: torch.Tensor) -> None:
+        # a reference, not a copy: _reclaim_unused runs right after DDP's end of backward,
+        # before anything writes the bucket again
         if self.used_map is not None:
-            self._written.append((signature, result.detach().clone()))
+            self._written.append((signature, result))
 
     def _reclaim_unused(self) -> None:
         """After DDP's end of backward: DDP leaves the gradient of a parameter unused on every
