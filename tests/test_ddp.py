@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 from distributed import RankFailed, run_ranks
+from replay import Replay, every_rank, flat_gradient
 
 from cloudtrain import CompressionConfig
 
@@ -89,12 +90,10 @@ def test_codec_none_across_two_regions_of_two_matches_ddp_to_rounding():
 
 
 def _versus_reference(rank, world, config, regions, steps):
-    """Replay CloudDDP's math with the codec library alone and compare every step's gradient,
-    including DDP's bucket rebuild after the first step (residuals return to the gradients)."""
-    import torch.distributed as dist
-
+    """Replay CloudDDP's math with the codec library alone (tests/replay.py) and compare every
+    step's gradient, including DDP's bucket rebuild after the first step (residuals return to
+    the gradients)."""
     import cloudtrain
-    from cloudtrain.compress import ErrorFeedback, RandomKey
 
     cloudtrain.init()
     cfg = CompressionConfig.resolve(config, regions=regions)
@@ -102,11 +101,8 @@ def _versus_reference(rank, world, config, regions, steps):
     shadow = make_model()  # same weights, no DDP: this rank's local gradient
     cloud = cloudtrain.CloudDDP(model, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    topo = cloud.topology
-    codec = cfg.make_codec()
-    level = codec.check_level(cfg.level)
-    efs: dict = {}  # (region, shard) -> ErrorFeedback of that shard owner
-    previous = None
+    replay = Replay(cfg, cloud.topology.members, world)
+    params, shadow_params = list(model.parameters()), list(shadow.parameters())
     mismatches = []
     for step in range(steps):
         x, y = batch(rank, step)
@@ -114,58 +110,18 @@ def _versus_reference(rank, world, config, regions, steps):
         loss_of(cloud, x, y).backward()
         shadow.zero_grad()
         loss_of(shadow, x, y).backward()
-        (layout,) = cloud.comm.layouts.layouts.values()
-        n = sum(numel for _, _, numel in layout)
-        shards = topo.shards
-        m = -(-n // shards)
-        params = list(shadow.parameters())
-        flat = torch.zeros(n)
-        for pi, offset, numel in layout:
-            flat[offset : offset + numel] = params[pi].grad.reshape(-1)
-        everyone = [torch.empty(n) for _ in range(world)]
-        dist.all_gather(everyone, flat)
-        scaled = [g * (1.0 / world) for g in everyone]
-        if previous is not None and previous != layout:
-            # DDP rebuilt its bucket: each owner adds its residual back into its own gradient
-            new_offset = {pi: offset for pi, offset, _ in layout}
-            for (region, j), ef in efs.items():
-                residual = ef.residuals[(0, j)]
-                owner = topo.members[region][j]
-                for pi, offset, numel in previous:
-                    a, b = max(j * m, offset), min((j + 1) * m, offset + numel)
-                    if a < b:
-                        start = new_offset[pi] + a - offset
-                        scaled[owner][start : start + b - a] += residual[a - j * m : b - j * m]
-            efs = {}
-        previous = layout
-        region_sums = []
-        for members in topo.members:
-            total = torch.zeros(shards * m)
-            for r in members:
-                total[:n] += scaled[r]
-            region_sums.append(total)
-        expected = torch.zeros(shards * m)
-        for j in range(shards):
-            out = torch.zeros(m)
-            packets = []
-            for region, total in enumerate(region_sums):
-                ef = efs.setdefault((region, j), ErrorFeedback())
-                key = RandomKey(cfg.seed, step, j, region)
-                packets.append(ef.encode((0, j), total[j * m : (j + 1) * m], codec, level, key))
-                valid = n - j * m
-                if valid < m:
-                    ef.residuals[(0, j)][max(valid, 0) :] = 0
-            for p in packets:
-                codec.accumulate([p], out)
-            expected[j * m : (j + 1) * m] = out
-        got = torch.zeros(n)
-        for pi, offset, numel in layout:
-            got[offset : offset + numel] = list(model.parameters())[pi].grad.reshape(-1)
-        if not torch.equal(got, expected[:n]):
-            mismatches.append((step, (got - expected[:n]).abs().max().item()))
+        layouts = dict(cloud.comm.layouts.layouts)
+        flats = {
+            b: every_rank(flat_gradient(shadow_params, lay), world) for b, lay in layouts.items()
+        }
+        expected = replay.step(step, layouts, flats)
+        for b, lay in layouts.items():
+            got = flat_gradient(params, lay)
+            if not torch.equal(got, expected[b]):
+                mismatches.append((step, (got - expected[b]).abs().max().item()))
         opt.step()
         with torch.no_grad():  # keep the shadow on the replicas' weights
-            for s, p in zip(shadow.parameters(), model.parameters(), strict=True):
+            for s, p in zip(shadow_params, params, strict=True):
                 s.copy_(p)
     cloud.verify_replicas()
     return mismatches, params_of(model), len(cloud.comm.layouts.layouts)
