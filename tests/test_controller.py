@@ -119,8 +119,8 @@ def test_a_rung_that_does_not_make_the_step_faster_is_never_taken(mbit, rtt_ms, 
 def test_round_trips_alone_raise_the_staleness_not_the_compression():
     compute = 0.015
     near = LinkEstimate(100 * MBIT, 0.0)
-    far = LinkEstimate(100 * MBIT, 0.080)  # hidden within the default max_staleness of 4
-    opts = ControllerOptions()
+    far = LinkEstimate(100 * MBIT, 0.080)  # hidden within a pipeline 4 deep
+    opts = ControllerOptions(max_staleness=4)
     (r_near, _), _, _ = plan_levels([near, near], compute, MLP, options=opts, staleness=ALL_DEPTHS)
     (r_far, _), _, _ = plan_levels([far, far], compute, MLP, options=opts, staleness=ALL_DEPTHS)
     assert r_far == r_near
