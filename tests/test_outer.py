@@ -137,13 +137,19 @@ def _resume(rank, world, outer, steps, save_at):
     straight = [p.detach().clone() for p in model.parameters()]
 
     model, opt, ddp = build()
+    without = {k: v for k, v in saved[2].items() if k != "outer"}
+    try:
+        ddp.load_comm_state_dict(without)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
     model.load_state_dict(saved[0])
     opt.load_state_dict(saved[1])
     ddp.load_comm_state_dict(saved[2])
     for step in range(save_at, steps):
         train_step(ddp, opt, rank, step)
     resumed = [p.detach().clone() for p in model.parameters()]
-    return in_flight, straight, resumed
+    return in_flight, straight, resumed, refused
 
 
 def test_resume_with_a_fragment_in_flight_is_bit_identical():
@@ -158,7 +164,8 @@ def test_resume_with_a_fragment_in_flight_is_bit_identical():
     )
     # fragment 1 syncs at steps 2, 6, 10 and merges 2 steps later: in flight after step 6
     results = run_ranks(2, _resume, outer, 12, 6, timeout=300)
-    for in_flight, straight, resumed in results:
+    for in_flight, straight, resumed, refused in results:
+        assert refused is not None and "no outer-loop state" in refused
         assert in_flight == [1]
         for a, b in zip(straight, resumed, strict=True):
             assert torch.equal(a, b), "the resumed run's parameters differ from the straight run's"
