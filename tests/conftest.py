@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import REQUIRE_ENV, required_parts
+from support import REQUIRE_ENV, required_parts, run_python
 
 _NATIVE_PROBE = """
 import json
@@ -31,22 +30,9 @@ print(json.dumps({"native": ops.NATIVE, "gpu": torch.cuda.is_available(),
 """
 
 
-def _python(code: str, **env: str) -> subprocess.CompletedProcess:
-    """`code` in a fresh interpreter: what an import leaves behind must not leak into the run."""
-    base = {k: v for k, v in os.environ.items() if k != "CLOUDTRAIN_NO_NATIVE"}
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**base, **env},
-        cwd=Path(__file__).resolve().parents[1],
-    )
-
-
 def _native_state() -> tuple[dict, str]:
     """What the native library gives in a fresh interpreter, and the warning that says why not."""
-    res = _python(_NATIVE_PROBE.replace('warnings.simplefilter("ignore")', ""))
+    res = run_python(_NATIVE_PROBE.replace('warnings.simplefilter("ignore")', ""))
     lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
     if res.returncode != 0 or not lines:
         return {"native": False, "gpu": False, "cuda_kernels": False}, res.stderr[-2000:]
@@ -75,7 +61,7 @@ def missing_parts(parts: set[str]) -> list[str]:
             problems.append(f"netem: the WAN emulator cannot be built: {why}")
     if "horovod" in parts:
         horovodrun = Path(sys.executable).with_name("horovodrun")
-        res = _python("import horovod.torch")
+        res = run_python("import horovod.torch")
         if not horovodrun.exists() or res.returncode != 0:
             why = res.stderr.strip().splitlines()[-1:] or [f"{horovodrun} is missing"]
             problems.append(f"horovod: {why[0]}; scripts/install-horovod builds it")

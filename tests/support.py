@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -106,3 +109,17 @@ def plan_module_outputs(work: Any, variables: dict[str, Any]) -> dict[str, Any]:
             else:
                 os.environ[k] = v
     return {k: v["value"] for k, v in shown["planned_values"]["outputs"].items()}
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter from the repository root (what an import leaves behind
+    does not leak into the run); CLOUDTRAIN_NO_NATIVE only if given here."""
+    base = {k: v for k, v in os.environ.items() if k != "CLOUDTRAIN_NO_NATIVE"}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+        env={**base, **env},
+    )

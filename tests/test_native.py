@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import run_python
 
 from cloudtrain.compress import RandomKey, make_codec, ops
 from cloudtrain.compress import reference as ref
@@ -546,19 +547,6 @@ def test_codecs_use_the_native_ops():
     packet = make_codec("quant").encode(x, 8, key)
     native_parts = torch.ops.cloudtrain.ef_quantize(x, None, 8, 512, True, key.private_seed())
     assert all(torch.equal(a, b) for a, b in zip(packet.parts, native_parts, strict=True))
-
-
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    """`code` in a fresh interpreter; CLOUDTRAIN_NO_NATIVE only if given here."""
-    base = {k: v for k, v in os.environ.items() if k != "CLOUDTRAIN_NO_NATIVE"}
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={**base, **env},
-    )
 
 
 def test_fallback_without_native_passes_the_codec_tests():
