@@ -145,6 +145,17 @@ def plain_seconds(
     return 2 * nbytes / link.bandwidth + buckets * link.rtt / 2
 
 
+def faster_measured(
+    measured: dict[tuple, tuple[float, ...]], chosen: tuple, margin: float = 0.05
+) -> tuple | None:
+    """The plan measured fastest, where `chosen` was measured and is more than `margin` slower
+    than it; else None (keep the choice: unmeasured plans are tried, not guessed at)."""
+    if chosen not in measured:
+        return None
+    best = min(measured, key=lambda plan: measured[plan][0])
+    return best if measured[best][0] < (1 - margin) * measured[chosen][0] else None
+
+
 def useful_depths(
     links: Sequence[LinkEstimate],
     compute_time: float,
@@ -423,6 +434,8 @@ class Controller:
         self.unmodelled_s: float | None = None  # compressed steps' time beyond the model
         self.unmeasured = [0] * regions  # decisions since each region's link was last measured
         self.reprobe = False  # the leaders measure the links at the next decision
+        # (rungs, staleness) -> (step seconds, slowest link, compute) as measured (_measured_best)
+        self.measured_steps: dict[tuple, tuple[float, float, float]] = {}
         if topo.links is not None:
             self.seed_from_probe(topo.links, shard_numels)
 
@@ -514,6 +527,7 @@ class Controller:
         group = self.topo.group("control")
         mine: dict[str, Any] = {
             "compute": list(seen.compute_s),
+            "steps": list(seen.step_s),
             "received": dict(seen.arrivals),
             "stage_seconds": dict(seen.stage_s),
         }
@@ -544,6 +558,38 @@ class Controller:
             log.warning("cloudtrain: step %d: %s", step, record["text"])
         self._write_metrics(step, wan_bytes_sent)
         return self.plan()
+
+    def _measured_best(
+        self,
+        gathered: list[Any],
+        rungs: list[int],
+        streak: list[int],
+        staleness: int,
+        bandwidth: float,
+        compute_time: float,
+    ) -> tuple[list[int], list[int], int]:
+        """A rung that does not make the step faster is never taken - checked against what was
+        measured, not only the model: the whole step time of every plan run lately (median over
+        the interval, smoothed) is kept with the link and compute it was measured at; the model's
+        choice is replaced by a measured plan more than 5 % faster than the choice was measured
+        to be. A measurement holds until the slowest link or the compute time changes by 2x."""
+        steps = sorted(s for g in gathered for s in g.get("steps", []))
+        now = (tuple(self.rungs), self.staleness)
+        if steps:
+            took = steps[len(steps) // 2]
+            old = self.measured_steps.get(now)
+            if old is not None:
+                took = self.options.ewma * took + (1 - self.options.ewma) * old[0]
+            self.measured_steps[now] = (took, bandwidth, compute_time)
+        self.measured_steps = {
+            plan: m
+            for plan, m in self.measured_steps.items()
+            if 0.5 <= m[1] / bandwidth <= 2 and 0.5 <= m[2] / compute_time <= 2
+        }
+        best = faster_measured(self.measured_steps, (tuple(rungs), staleness))
+        if best is None:
+            return rungs, streak, staleness
+        return list(best[0]), [0] * len(rungs), best[1]
 
     def _intra_guess(self, shard_numels: Sequence[int]) -> float:
         """Seconds per step of the dense reduce-scatter and all-gather inside regions, from the
@@ -659,6 +705,9 @@ class Controller:
         # a shallower pipeline one step at a time: each change of depth applies two steps'
         # gradients at once (or none), so it should not flap
         staleness = max(staleness, min(self.staleness - 1, max(depths)))
+        rungs, streak, staleness = self._measured_best(
+            gathered, rungs, streak, staleness, slowest, compute_time
+        )
         names = self.topo.regions
         text = (
             "plan "
@@ -696,6 +745,10 @@ class Controller:
             "allreduce_bw": self.allreduce_bw,
             "unmodelled_s": self.unmodelled_s,
             "staleness": self.staleness,
+            "measured_steps": [
+                [list(rungs), staleness, *m]
+                for (rungs, staleness), m in self.measured_steps.items()
+            ],
             "history": list(self.history),
         }
 
@@ -710,6 +763,10 @@ class Controller:
         self.intra_s, self.allreduce_s = state["intra_s"], state["allreduce_s"]
         self.allreduce_bw, self.unmodelled_s = state["allreduce_bw"], state["unmodelled_s"]
         self.staleness = int(state["staleness"])
+        self.measured_steps = {
+            (tuple(rungs), int(staleness)): (took, bandwidth, compute)
+            for rungs, staleness, took, bandwidth, compute in state["measured_steps"]
+        }
         self.history = list(state["history"])
 
     def metrics(self) -> dict[str, float]:

@@ -84,6 +84,8 @@ class Observations:
 
     compute_s: list[float] = field(default_factory=list)
     """Seconds of compute (forward + backward until the last bucket) of each step."""
+    step_s: list[float] = field(default_factory=list)
+    """Seconds of each whole step, from the end of one step's communication to the next's."""
     arrivals: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     """Sender region -> (packet bytes, seconds until it arrived) of each packet received."""
     stage_s: dict[str, float] = field(default_factory=dict)
@@ -103,7 +105,10 @@ class Observer:
 
     def step_started(self) -> None:
         """The previous step's communication is done: compute of the next one starts."""
-        self._step_start = time.monotonic()
+        now = time.monotonic()
+        if self._step_start is not None:
+            self._current.step_s.append(now - self._step_start)
+        self._step_start = now
         self._steps += 1
 
     def compute_finished(self) -> None:

@@ -13,6 +13,7 @@ from cloudtrain.config import LADDER, ControllerOptions
 from cloudtrain.controller import (
     LinkEstimate,
     exchange_seconds,
+    faster_measured,
     passive_bandwidth,
     plan_levels,
     plan_staleness,
@@ -372,3 +373,15 @@ def test_a_pipeline_only_where_round_trips_matter():
     assert useful_depths(near, 0.015, opts, ALL_DEPTHS) == (0,)
     assert useful_depths(far, 0.015, opts, ALL_DEPTHS) == ALL_DEPTHS
     assert useful_depths(far, 0.015, opts, (2,)) == (2,)  # a pinned depth stays
+
+
+def test_a_plan_measured_slower_than_another_is_left_for_it():
+    """Unshaped links, seen: the model preferred bf16 through the hierarchy; measured, its steps
+    took 86 ms against the plain all-reduce's 54. The measured faster plan wins; an unmeasured
+    choice is tried, and small differences do not move it."""
+    plain, bf16 = ((0, 0), 0), ((1, 1), 0)
+    measured = {plain: (0.054, 1e9, 0.02), bf16: (0.086, 1e9, 0.02)}
+    assert faster_measured(measured, bf16) == plain
+    assert faster_measured(measured, plain) is None
+    assert faster_measured(measured, ((2, 2), 0)) is None  # not measured yet: try it
+    assert faster_measured({plain: (0.054,), bf16: (0.055,)}, bf16) is None  # within 5 %
