@@ -60,7 +60,8 @@ def fit_link(samples: list[tuple[int, float]]) -> tuple[float, float]:
     """(alpha seconds, beta bytes/s) from (bytes, seconds) samples: t = alpha + bytes / beta.
 
     Delays only ever add (a busy peer, a scheduler), so each size counts with its fastest time;
-    the line is fitted to those by least squares.
+    the slope is fitted to those by least squares, and the latency is the lowest intercept any
+    of them leaves under that slope (one delayed size must not raise it).
     """
     if not samples:
         raise ValueError("fit_link needs at least one (bytes, seconds) sample")
@@ -76,7 +77,7 @@ def fit_link(samples: list[tuple[int, float]]) -> tuple[float, float]:
     if slope <= 0:  # no size dependence visible: bandwidth from the largest transfer alone
         b, t = points[-1]
         return points[0][1], b / max(t, 1e-9)
-    alpha = min(max(0.0, mean_t - slope * mean_b), points[0][1])
+    alpha = max(0.0, min(t - slope * b for b, t in points))
     return alpha, 1.0 / slope
 
 
