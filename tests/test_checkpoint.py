@@ -415,6 +415,10 @@ def _two_rank_worker(rank: int, port: int, root: str) -> None:
         state = ckpt.load()
         assert state["step"] == 1, f"rank {rank} loaded step {state['step']}"
         assert state["comm_state"] == {"rank": rank, "step": 1}
+        # both ranks are past load()'s last collective before either tears gloo down: a rank
+        # that left early once made the other abort in teardown ("terminate called without an
+        # active exception") after every assertion had passed
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
