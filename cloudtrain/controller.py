@@ -60,7 +60,7 @@ from .compress import ErrorFeedback, RandomKey, from_wire, to_wire
 from .config import CompressionConfig, ControllerOptions
 from .plan import Codecs, Plan, Rung
 from .probe import probe
-from .stats import Observations
+from .stats import STAGES, Observations
 from .topology import Topology
 
 log = logging.getLogger("cloudtrain")
@@ -400,7 +400,7 @@ class Controller:
 
     FIRST_DECISION = 2  # the first step whose compute time was measured is step 1
     STALE_DECISIONS = 12  # decisions without a usable measurement of a link before re-probing
-    COMPRESSED_STAGES = ("intra_reduce", "encode", "exchange", "decode", "intra_gather")
+    COMPRESSED_STAGES = tuple(s for s in STAGES if s != "allreduce")  # the hierarchy's stages
 
     def __init__(
         self,
