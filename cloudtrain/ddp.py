@@ -129,7 +129,12 @@ class CloudDDP(DistributedDataParallel):
         super().register_comm_hook(self.comm, compressed_hook)
         if ddp_kwargs.get("find_unused_parameters"):
             self.comm.used_map = self.reducer._get_local_used_map  # see CommState.used_map
-        self.outer = OuterLoop(config, topo, params, optimizer, self.comm.stats) if outer else None
+        comm = self.comm
+        self.outer = (
+            OuterLoop(config, topo, params, optimizer, comm.stats, lambda: comm.step)
+            if outer
+            else None
+        )
         if topo.single_region and not config.lossless and config.codec != AUTO:
             log.info(
                 "cloudtrain: all ranks are in one region, so gradients are all-reduced without lossy "

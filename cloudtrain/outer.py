@@ -5,7 +5,8 @@
 Inner steps are DDP inside each region only (the hook's region_only path); the inner optimizer
 and its state stay local. `OuterLoop` runs after every inner `optimizer.step()` (a step post-hook)
 and, for each fragment of the parameters whose sync step it is (fragment f of F syncs at the
-steps t > 0 with (t - f*H//F) % H == 0):
+steps t > 0 with (t - f*H//F) % H == 0; t counts gradient syncs, so a step AMP skipped in one
+region does not put the regions' schedules apart):
 
     delta = outer_copy - local                        # the region's pseudo-gradient: the same
                                                       #   bits on each of the region's ranks
@@ -218,7 +219,10 @@ class OuterLoop:
         params: Sequence[torch.Tensor],
         optimizer: torch.optim.Optimizer,
         stats: CommStats,
+        steps: Callable[[], int],
     ) -> None:
+        """`steps()`: the gradient syncs done so far (the hook's step count) - the clock of the
+        schedule, the same on every rank even where an optimizer step was skipped."""
         outer = config.outer
         if not isinstance(outer, OuterConfig):
             raise ValueError("OuterLoop needs a CompressionConfig with outer=OuterConfig(...)")
@@ -240,6 +244,7 @@ class OuterLoop:
         self.momentum: list[torch.Tensor | None] = [None] * self.fragments
         self.ef = ErrorFeedback(dtype) if outer.error_feedback else None
         self.stats = stats
+        self._steps = steps
         self.step = 0
         self.flights: dict[int, _Flight] = {}
         self._times: list[float] = []
@@ -305,10 +310,18 @@ class OuterLoop:
     # -- every inner step ---------------------------------------------------------------------
     @torch.no_grad()
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.step += 1
+        """The schedule counts gradient syncs, not optimizer steps: AMP's GradScaler skips the
+        step of a region whose gradients overflowed, and only that region's, so counting steps
+        would put the regions' syncs out of step. A region that skipped catches up here on its
+        next step (a sync it missed runs now, with the parameters it has)."""
         now = time.perf_counter()
         self._times.append(now - self._last)
         self._last = now
+        while self.step < self._steps():
+            self.step += 1
+            self._at_step()
+
+    def _at_step(self) -> None:
         if self.schedule is None:
             if self.step < DECIDE_AFTER:
                 return
@@ -421,6 +434,9 @@ class OuterLoop:
     def finish(self) -> None:
         """Merge what is in flight, then sync every fragment once (all ranks call): every
         replica then holds the same parameters (e.g. before the final evaluation or export)."""
+        while self.step < self._steps():  # a region whose last steps AMP skipped catches up
+            self.step += 1
+            self._at_step()
         for flight in sorted(self.flights.values(), key=lambda x: x.fragment):
             self._merge(flight)
         if self.schedule is None:

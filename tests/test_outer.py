@@ -113,6 +113,52 @@ def test_outer_copy_bit_identical_and_replicas_equal_after_finish(outer):
     assert all(s > 0 for s in sent), f"no pseudo-gradient crossed regions: {sent}"
 
 
+def _amp_skips(rank, world, outer, steps, overflow):
+    import cloudtrain
+
+    cloudtrain.init()
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = CompressionConfig(regions="a,a,b,b", nonfinite="pass", timeout_s=30, outer=outer)
+    ddp = cloudtrain.CloudDDP(model, config, optimizer=opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    region = "ab"[rank // 2]
+    skipped = 0
+    for step in range(steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        if overflow.get(step) == region:  # this region's gradients overflow: its step is skipped
+            loss = loss * float("inf")
+        before = scaler.get_scale()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+    ddp.finish_outer()
+    loop = ddp.outer
+    return [crc(p) for p in model.parameters()], [crc(g) for g in loop.global_], skipped, loop.step
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_amp_skipped_steps_keep_the_regions_schedules_together(overlap):
+    """GradScaler skips the optimizer step of a region whose gradients overflowed, and only that
+    region's: the outer loop counts gradient syncs, so the skipping region still syncs with the
+    others: region b skips a sync step of fragment 1 and catches up on its next step; then both
+    sync fragment 0 on the last step (counting optimizer steps, b would be one short and its
+    exchanges one fewer than a's)."""
+    steps = 12
+    outer = OuterConfig(
+        sync_every=4, fragments=2, overlap=overlap, outer_lr=0.7, outer_momentum=0.9
+    )
+    overflow = {5: "b"}
+    results = run_ranks(4, _amp_skips, outer, steps, overflow, timeout=300)
+    assert [r[2] for r in results] == [0, 0, 1, 1], "region b should have skipped one step"
+    assert all(r[3] == steps for r in results), [r[3] for r in results]
+    assert all(r[1] == results[0][1] for r in results), "outer copies differ across ranks"
+    assert all(r[0] == results[0][0] for r in results), "replicas differ after finish()"
+
+
 # -- resume --------------------------------------------------------------------------------------
 
 
