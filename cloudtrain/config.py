@@ -103,7 +103,8 @@ class ControllerOptions:
     hidden_fraction: float = 0.5
     """Share of a step's compute time the cross-region exchange may take (it overlaps backward)."""
     interval: int = 5
-    """Steps between decisions."""
+    """Steps between decisions (at least: more where gathering the observations across regions
+    takes longer than this many steps)."""
     patience: int = 2
     """Decisions in a row a lighter rung must fit before compressing less."""
     margin: float = 0.7

@@ -7,8 +7,8 @@ latency before compression:
     time the exchange may stay hidden   T = hidden_fraction x compute time of a step
     transfer of a rung                  bytes / bandwidth + its encode/decode CPU time
                                         + (compressed rungs) the dense reduction inside regions
-    time a rung takes                   synchronous: half a round trip per bucket + transfer;
-                                        pipelined s steps deep: half a round trip + transfer
+    time a rung takes                   synchronous: a round trip per bucket + transfer;
+                                        pipelined s steps deep: a round trip + transfer
                                         - s x compute, but never less than the transfer
                                         - (1 - hidden_fraction) x compute (bandwidth is not
                                         hidden by a pipeline)
@@ -36,7 +36,10 @@ longer fits, less only after `patience` decisions in a row in which a lighter ru
 `margin` to spare.
 
 The decision is made on rank 0 from everyone's observations (gathered) and broadcast, so every
-rank uses the same plan - and so knows every packet's size. `plan_levels` is the pure function
+rank uses the same plan - and so knows every packet's size. Gathering and broadcasting cross
+regions (round trips of their own: about a second at 180 ms), so they run on a background thread
+on process groups of the controller's own, and a decision takes effect at the next due step; the
+steps between decisions grow to twice what the last gathering took, so it has arrived by then. `plan_levels` is the pure function
 at its heart; the Controller class adds the measurements, the state (part of comm_state_dict)
 and the logging (each change is logged; metrics() feeds TensorBoard when it is installed).
 Its interface to the hook is narrow: `due(step)`, then `decide(step, observations, shard_numels)`
@@ -45,6 +48,7 @@ Its interface to the hook is narrow: `due(step)`, then `decide(step, observation
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -124,25 +128,29 @@ def exchange_seconds(
     compute): the latency model behind plan_levels.
 
     Synchronous (staleness 0), the communication thread waits for every bucket's exchange in
-    turn: half a round trip per bucket, plus the transfer. Pipelined, all of a step's exchanges
-    are in flight at once and have s more steps of compute to arrive in: half a round trip once,
+    turn: a round trip per bucket, plus the transfer. Pipelined, all of a step's exchanges
+    are in flight at once and have s more steps of compute to arrive in: a round trip once,
     less s x compute. Either way the link must carry each step's bytes within a step (a pipeline
     hides round trips, never bandwidth): transfer - (1 - hidden) x compute.
+
+    A whole round trip, not half: gloo sends a message only once its receiver has posted the
+    receive and said so over the wire, so an exchange whose peers post together takes a round
+    trip before the data moves (measured: 180 ms per step, one bucket, at 180 ms RTT).
     """
     if staleness == 0:
-        return buckets * rtt / 2 + transfer
-    latency = rtt / 2 + transfer - staleness * compute_time
+        return buckets * rtt + transfer
+    latency = rtt + transfer - staleness * compute_time
     return max(latency, transfer - (1 - hidden) * compute_time)
 
 
 def plain_seconds(
     nbytes: int, link: LinkEstimate, buckets: int, measured: float | None = None
 ) -> float:
-    """A step's plain (ring) all-reduce of `nbytes` per sender: every byte crosses twice, half a
-    round trip per bucket; `measured` (where the last interval ran it) replaces the model."""
+    """A step's plain (ring) all-reduce of `nbytes` per sender: every byte crosses twice, a round
+    trip per bucket at least; `measured` (where the last interval ran it) replaces the model."""
     if measured is not None:
         return measured
-    return 2 * nbytes / link.bandwidth + buckets * link.rtt / 2
+    return 2 * nbytes / link.bandwidth + buckets * link.rtt
 
 
 def faster_measured(
@@ -163,11 +171,11 @@ def useful_depths(
     allowed: Sequence[int],
 ) -> tuple[int, ...]:
     """The pipeline depths worth considering: all allowed ones where a round trip is long enough
-    to matter (half of it at least half the time the exchange may stay hidden), else only the
+    to matter (at least half the time the exchange may stay hidden), else only the
     shallowest. A pipeline is for round trips: bytes are the compression's job, and a pipelined
     exchange costs a dense reduction in the region that a plain all-reduce does not."""
     hidden = options.hidden_fraction * compute_time
-    if any(link.rtt / 2 >= 0.5 * hidden for link in links):
+    if any(link.rtt >= 0.5 * hidden for link in links):
         return tuple(allowed)
     return (min(allowed),)
 
@@ -377,8 +385,10 @@ def passive_bandwidth(
     Waiting for a late sender only ever adds time, so packets of one size count with their
     fastest arrival; the latency is taken off. Transfers that took under `significant` seconds
     in all are latency and scheduling noise, and so are packets that small at the `current`
-    estimate unless they came in ten times slower than that: small packets cannot show
-    bandwidth, and must not shrink the estimate, or the controller would compress ever more.
+    estimate however late they came: a small packet's time is its sender's lateness (regions
+    run a step apart in a pipeline), not bandwidth, and must not shrink the estimate, or the
+    controller would compress ever more (seen: 2 KB packets 60 ms late put a 50 Mbit/s link at
+    0.1 Mbit/s). A link that fell while packets are small is found by the leaders' re-probe.
     Packets all under `burst` bytes cannot raise it either: a token bucket let them through
     faster than the link's rate.
     """
@@ -387,7 +397,7 @@ def passive_bandwidth(
         fastest[nbytes] = min(seconds, fastest.get(nbytes, math.inf))
     moving = sum(max(t - latency, 0.0) for t in fastest.values())
     expected = sum(fastest) / current if current else math.inf
-    if moving < significant or (expected < significant and moving < 10 * significant):
+    if moving < significant or expected < significant:
         return None
     measured = min(max(sum(fastest) / moving, MIN_BANDWIDTH), MAX_BANDWIDTH)
     if current and measured > current and max(fastest) < burst:
@@ -436,6 +446,12 @@ class Controller:
         self.reprobe = False  # the leaders measure the links at the next decision
         # (rungs, staleness) -> (step seconds, slowest link, compute) as measured (_measured_best)
         self.measured_steps: dict[tuple, tuple[float, float, float]] = {}
+        # decisions are gathered and made on a thread of their own (decide)
+        self.own = topo.private(("control", "leaders"), config.timeout)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cloudtrain-plan")
+        self._pending: concurrent.futures.Future | None = None
+        self.next_due = self.FIRST_DECISION
+        self.interval = self.options.interval
         if topo.links is not None:
             self.seed_from_probe(topo.links, shard_numels)
 
@@ -516,35 +532,51 @@ class Controller:
 
     def due(self, step: int) -> bool:
         """Whether `step` starts with a decision (all ranks then call `decide`)."""
-        first = self.FIRST_DECISION
-        return step >= first and (step - first) % self.options.interval == 0
+        return step >= self.next_due
 
     def decide(
         self, step: int, seen: Observations, shard_numels: Sequence[int], wan_bytes_sent: int = 0
     ) -> Plan:
-        """All ranks call, with what each saw since the last decision; rank 0 decides from all
-        of it and broadcasts, so every rank returns the same plan."""
-        group = self.topo.group("control")
+        """All ranks call at a due step, with what each saw since the last one. The decision
+        started at the previous due step takes effect now (waited for, if it is still on its
+        way), and the next one starts from `seen`: gathered, decided on rank 0 and broadcast on
+        a background thread, on process groups of the controller's own, so its round trips
+        across regions never hold a step up. Every rank returns the same plan."""
+        if self._pending is not None:
+            decision, self._pending = self._pending.result(), None  # a failure raises here
+            self._apply(step, decision)
         mine: dict[str, Any] = {
             "compute": list(seen.compute_s),
             "steps": list(seen.step_s),
             "received": dict(seen.arrivals),
             "stage_seconds": dict(seen.stage_s),
         }
+        self._pending = self._pool.submit(self._gather, step, mine, list(shard_numels))
+        self.next_due = step + self.interval
+        self._write_metrics(step, wan_bytes_sent)
+        return self.plan()
+
+    def _gather(self, step: int, mine: dict[str, Any], shard_numels: list[int]) -> tuple:
+        """On the controller's thread: everyone's observations to rank 0, its decision back."""
+        t0 = time.perf_counter()
         if self.reprobe and self.topo.local_index == 0:
             # no packets crossed regions to time for a while (or too small ones): the region
             # leaders measure the links instead (briefly)
             # (from 256 KiB: smaller messages ride tbf-like token buckets at line rate)
             mine["leader_links"] = probe(
-                self.topo.group("leaders"), max_seconds=0.05, repeats=1, start_bytes=BURST_BYTES
+                self.own.group("leaders"), max_seconds=0.05, repeats=1, start_bytes=BURST_BYTES
             ).beta
         gathered: list[Any] = [None] * self.topo.world_size
-        dist.all_gather_object(gathered, mine, group=group)
+        dist.all_gather_object(gathered, mine, group=self.own.group("control"))
         decision: list[Any] = [None]
         if self.topo.rank == 0:
-            decision[0] = self._decide(step, gathered, shard_numels)
-        dist.broadcast_object_list(decision, src=0, group=group)
-        rungs, streak, bandwidth, compute_time, self.reprobe, record = decision[0]
+            took = time.perf_counter() - t0
+            decision[0] = self._decide(step, gathered, shard_numels, took)
+        dist.broadcast_object_list(decision, src=0, group=self.own.group("control"))
+        return decision[0]
+
+    def _apply(self, step: int, decision: tuple) -> None:
+        rungs, streak, bandwidth, compute_time, self.reprobe, record = decision
         changed = rungs != self.rungs or record["staleness"] != self.staleness
         self.rungs, self.streak, self.bandwidth, self.compute_time = (
             rungs,
@@ -553,14 +585,22 @@ class Controller:
             compute_time,
         )
         self.staleness = record["staleness"]
+        self.interval = record["interval"]
         self.history.append(record)
         if changed and self.topo.rank == 0:  # one line per change, not one per rank
-            log.warning("cloudtrain: step %d: %s", step, record["text"])
-        self._write_metrics(step, wan_bytes_sent)
-        return self.plan()
+            log.warning(
+                "cloudtrain: step %d: %s (decided from the steps before %d)",
+                step,
+                record["text"],
+                record["step"],
+            )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
 
     def _measured_best(
         self,
+        step: int,
         gathered: list[Any],
         rungs: list[int],
         streak: list[int],
@@ -575,7 +615,9 @@ class Controller:
         to be. A measurement holds until the slowest link or the compute time changes by 2x."""
         steps = sorted(s for g in gathered for s in g.get("steps", []))
         now = (tuple(self.rungs), self.staleness)
-        if steps:
+        # the first steps (DDP's bucket rebuild, first allocations, a pipeline filling) are not
+        # the time of the plan they ran
+        if steps and step > self.FIRST_DECISION + self.options.interval:
             took = steps[len(steps) // 2]
             old = self.measured_steps.get(now)
             if old is not None:
@@ -606,7 +648,12 @@ class Controller:
         """No region compresses: the exchange is one plain all-reduce."""
         return all(self.options.ladder[r][0] == "none" for r in self.rungs)
 
-    def _decide(self, step: int, gathered: list[Any], shard_numels: Sequence[int]) -> tuple:
+    def _decide(
+        self, step: int, gathered: list[Any], shard_numels: Sequence[int], took: float
+    ) -> tuple:
+        """Rank 0, on the controller's thread: the plan from everyone's observations. `took`:
+        seconds the gathering took; the next decisions come that much further apart in steps
+        (twice it, for the broadcast back), so that each has arrived when it is due."""
         opts = self.options
         computes = sorted(c for g in gathered for c in g["compute"])
         compute_time = computes[len(computes) // 2] if computes else self.compute_time or 1.0
@@ -619,8 +666,10 @@ class Controller:
                 slowest = min(probed[at[r]][at[q]] for q in range(len(leaders)) if q != r)
                 bandwidth[r] = min(max(slowest / self.topo.shards, MIN_BANDWIDTH), MAX_BANDWIDTH)
         for region in range(len(bandwidth)):
-            samples = [s for g in gathered for s in g["received"].get(region, [])]
-            measured = passive_bandwidth(samples, self.rtt[region] / 2, bandwidth[region])
+            # the first steps' packets waited for peers still warming up: they time no link
+            warm = step > self.FIRST_DECISION
+            samples = [s for g in gathered if warm for s in g["received"].get(region, [])]
+            measured = passive_bandwidth(samples, self.rtt[region], bandwidth[region])
             if measured is None:
                 self.unmeasured[region] += 1
                 continue
@@ -706,7 +755,7 @@ class Controller:
         # gradients at once (or none), so it should not flap
         staleness = max(staleness, min(self.staleness - 1, max(depths)))
         rungs, streak, staleness = self._measured_best(
-            gathered, rungs, streak, staleness, slowest, compute_time
+            step, gathered, rungs, streak, staleness, slowest, compute_time
         )
         names = self.topo.regions
         text = (
@@ -718,8 +767,12 @@ class Controller:
             )
             + f"; staleness {staleness}; compute {1000 * compute_time:.0f} ms/step"
         )
+        steps = sorted(s for g in gathered for s in g.get("steps", []))
+        step_s = steps[len(steps) // 2] if steps else compute_time
+        interval = max(opts.interval, min(math.ceil(2 * took / max(step_s, 1e-3)) + 1, 10_000))
         record = {
             "step": step,
+            "interval": interval,
             "rungs": rungs,
             "levels": [_describe(opts.ladder[r]) for r in rungs],
             "bandwidth_Bps": [link.bandwidth for link in links],
@@ -734,6 +787,8 @@ class Controller:
 
     # -- state and metrics -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        # the decision on its way first: rank 0 updates its measurements while deciding
+        pending = None if self._pending is None else self._pending.result()
         return {
             "bandwidth": list(self.bandwidth),
             "rtt": list(self.rtt),
@@ -745,6 +800,9 @@ class Controller:
             "allreduce_bw": self.allreduce_bw,
             "unmodelled_s": self.unmodelled_s,
             "staleness": self.staleness,
+            "next_due": self.next_due,
+            "interval": self.interval,
+            "pending": pending,
             "measured_steps": [
                 [list(rungs), staleness, *m]
                 for (rungs, staleness), m in self.measured_steps.items()
@@ -763,6 +821,11 @@ class Controller:
         self.intra_s, self.allreduce_s = state["intra_s"], state["allreduce_s"]
         self.allreduce_bw, self.unmodelled_s = state["allreduce_bw"], state["unmodelled_s"]
         self.staleness = int(state["staleness"])
+        self.next_due, self.interval = int(state["next_due"]), int(state["interval"])
+        self._pending = None
+        if state["pending"] is not None:  # the decision on its way when the state was saved
+            self._pending = concurrent.futures.Future()
+            self._pending.set_result(tuple(state["pending"]))
         self.measured_steps = {
             (tuple(rungs), int(staleness)): (took, bandwidth, compute)
             for rungs, staleness, took, bandwidth, compute in state["measured_steps"]

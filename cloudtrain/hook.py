@@ -304,6 +304,8 @@ class CommState:
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=5)
+        if self.controller is not None:
+            self.controller.close()
 
     # -- per step ----------------------------------------------------------------------------------
     def _begin(self) -> None:

@@ -180,24 +180,6 @@ def region_links(topo: Topology) -> list[Link]:
     return out
 
 
-def _own_groups(topo: Topology, timeout: Any) -> Topology:
-    """A copy of `topo` with process groups of its own for the region and cross-region
-    collectives, made in the same order on every rank: the outer exchange may run on a
-    background thread while the hook reduces gradients on the topology's groups."""
-    own = dataclasses.replace(topo, groups={"control": topo.groups["control"]})
-    if topo.single_region:
-        return own
-    # gloo, on CPU copies, also inside the region: NCCL collectives issued from two threads on
-    # one device can be queued in different orders on different ranks and deadlock
-    for index, ranks in enumerate(topo.members):
-        own.groups[f"region{index}"] = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
-    for shard in range(topo.shards):
-        own.groups[f"cross{shard}"] = dist.new_group(
-            list(topo.shard_owners(shard)), timeout=timeout, backend="gloo"
-        )
-    return own
-
-
 @dataclass
 class _Flight:
     """A fragment's exchange started at `sent` and merged at `merge`."""
@@ -258,7 +240,9 @@ class OuterLoop:
         self.links: list[Link] | None = None
         if self.schedule is None and not topo.single_region:
             self.links = region_links(topo)  # a collective: every rank, now
-        self.own = _own_groups(topo, config.timeout)
+        # the exchange may run on a background thread while the hook reduces gradients
+        groups = [n for n in topo.group_ranks() if n.startswith(("region", "cross"))]
+        self.own = topo.private(groups, config.timeout)
         self.path = CrossRegion(config, self.own, self.codecs, self.ef, stats)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cloudtrain-outer")
         self._handle = optimizer.register_step_post_hook(self._after_step)
@@ -395,7 +379,7 @@ class OuterLoop:
         assert self.schedule is not None
         where = f" at outer step {step}, fragment {f}"
         device = delta.device
-        delta = delta.cpu()  # the groups are gloo's (_own_groups)
+        delta = delta.cpu()  # the groups are gloo's (Topology.private)
         n, shards = delta.numel(), topo.shards
         m = -(-n // shards)
         padded = delta if n == shards * m else torch.cat([delta, delta.new_zeros(shards * m - n)])

@@ -22,10 +22,11 @@ Groups (every rank creates every group, in the same order, as torch.distributed 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -163,24 +164,41 @@ class Topology:
         self.links = probe(self.group("control"))
         return self.links
 
+    def group_ranks(self) -> dict[str, list[int]]:
+        """The ranks of each process group CloudDDP uses, by name, in the order they are made:
+        "dense" (all), and with several regions "region<i>" (a region's ranks), "leaders" (each
+        region's first rank) and "cross<s>" (shard s's owner in every region)."""
+        out = {"dense": list(range(self.world_size))}
+        if self.single_region:
+            return out
+        for index, ranks in enumerate(self.members):
+            out[f"region{index}"] = list(ranks)
+        out["leaders"] = [m[0] for m in self.members]
+        for shard in range(self.shards):
+            out[f"cross{shard}"] = list(self.shard_owners(shard))
+        return out
+
     def _create_groups(self, timeout: timedelta) -> None:
         backend = dist.get_backend()
-        self.groups["dense"] = dist.new_group(
-            list(range(self.world_size)), timeout=timeout, backend=backend
-        )
-        if self.single_region:
-            return
-        for index, ranks in enumerate(self.members):
-            self.groups[f"region{index}"] = dist.new_group(
-                list(ranks), timeout=timeout, backend=backend
+        for name, ranks in self.group_ranks().items():
+            # the region's own collectives on the job's backend, those across regions on gloo
+            inside = name == "dense" or name.startswith("region")
+            self.groups[name] = dist.new_group(
+                ranks, timeout=timeout, backend=backend if inside else "gloo"
             )
-        self.groups["leaders"] = dist.new_group(
-            [m[0] for m in self.members], timeout=timeout, backend="gloo"
-        )
-        for shard in range(self.shards):
-            self.groups[f"cross{shard}"] = dist.new_group(
-                list(self.shard_owners(shard)), timeout=timeout, backend="gloo"
-            )
+
+    def private(self, names: Sequence[str], timeout: timedelta) -> Topology:
+        """A copy with new gloo process groups for `names` ("control" too), made in the same
+        order on every rank (all ranks call); other groups are shared. For collectives on a
+        background thread, which must never interleave with those on the topology's groups
+        (and gloo, also inside a region: NCCL collectives issued from two threads on one device
+        can be queued in different orders on different ranks and deadlock)."""
+        ranks = {"control": list(range(self.world_size)), **self.group_ranks()}
+        own = dataclasses.replace(self, groups=dict(self.groups))
+        for name in names:
+            if name in ranks:
+                own.groups[name] = dist.new_group(ranks[name], timeout=timeout, backend="gloo")
+        return own
 
     def group(self, name: str) -> Any:
         return self.groups[name]

@@ -120,13 +120,14 @@ def test_a_rung_that_does_not_make_the_step_faster_is_never_taken(mbit, rtt_ms, 
 def test_round_trips_alone_raise_the_staleness_not_the_compression():
     compute = 0.015
     near = LinkEstimate(100 * MBIT, 0.0)
-    far = LinkEstimate(100 * MBIT, 0.080)  # hidden within a pipeline 4 deep
-    opts = ControllerOptions(max_staleness=4)
-    (r_near, _), _, _ = plan_levels([near, near], compute, MLP, options=opts, staleness=ALL_DEPTHS)
-    (r_far, _), _, _ = plan_levels([far, far], compute, MLP, options=opts, staleness=ALL_DEPTHS)
+    far = LinkEstimate(100 * MBIT, 0.080)  # hidden within a pipeline 6 deep
+    opts = ControllerOptions(max_staleness=8)
+    depths = tuple(range(9))
+    (r_near, _), _, _ = plan_levels([near, near], compute, MLP, options=opts, staleness=depths)
+    (r_far, _), _, _ = plan_levels([far, far], compute, MLP, options=opts, staleness=depths)
     assert r_far == r_near
-    s_near = plan_staleness([near] * 2, compute, MLP, [r_near] * 2, opts, allowed=ALL_DEPTHS)
-    s_far = plan_staleness([far] * 2, compute, MLP, [r_far] * 2, opts, allowed=ALL_DEPTHS)
+    s_near = plan_staleness([near] * 2, compute, MLP, [r_near] * 2, opts, allowed=depths)
+    s_far = plan_staleness([far] * 2, compute, MLP, [r_far] * 2, opts, allowed=depths)
     assert s_far > s_near
     # pinned synchronous (staleness 0): the round trip cannot be hidden, and compressing more
     # than the bytes need would not win it back
@@ -142,7 +143,7 @@ def test_staleness_is_picked_when_the_round_trip_exceeds_the_hidden_time(rtt_ms,
     depths = tuple(range(17))
     rungs, _, _ = plan_levels([link] * 2, compute, MLP, options=opts, staleness=depths)
     s = plan_staleness([link] * 2, compute, MLP, rungs, opts, allowed=depths)
-    assert link.rtt / 2 > 0.5 * compute  # the round trip does not hide behind one step
+    assert link.rtt > 0.5 * compute  # the round trip does not hide behind one step
     assert s > 0
     assert s == min(
         d
@@ -260,10 +261,9 @@ def test_passive_bandwidth_ignores_waiting_and_tiny_packets():
     assert passive_bandwidth([], latency=0.0) is None
     # 2 KB packets on a link thought to be 100 Mbit/s: 5 ms is a late sender, not a slow link...
     assert passive_bandwidth([(2_000, 0.005)], latency=0.0, current=100 * MBIT) is None
-    # ...but 60 ms is a link that fell: it counts
-    assert passive_bandwidth([(2_000, 0.060)], latency=0.0, current=100 * MBIT) == pytest.approx(
-        2_000 / 0.060
-    )
+    # ...and 60 ms too: a sender a pipelined step late, or a link that fell - the packet cannot
+    # tell (the leaders' re-probe can)
+    assert passive_bandwidth([(2_000, 0.060)], latency=0.0, current=100 * MBIT) is None
     # 80 KB in 4 ms is 160 Mbit/s through a 50 Mbit/s token bucket's burst: no rise from that,
     assert passive_bandwidth([(80_000, 0.004)], latency=0.0, current=50 * MBIT) is None
     # but 80 KB in 16 ms is a link that fell below 50, and 1 MB in 50 ms one that rose to 160

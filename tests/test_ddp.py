@@ -426,10 +426,21 @@ def _train_span(rank, world, config, start, stop, state_dir):
             {"model": model.state_dict(), "opt": opt.state_dict(), "comm": cloud.comm_state_dict()},
             path,
         )
+    if cloud.comm.controller is not None:
+        assert cloud.comm.controller.history, "the controller never decided"
     return params_of(model), cloud.comm.step
 
 
-@pytest.mark.parametrize("config", ["topk-1pct", "cocktail", "quant4"])
+# "auto" with one rung: the plan cannot depend on timing, and the state is saved with a decision
+# on its way (due at steps 2, 7, 12: the one from step 7 takes effect at 12)
+AUTO_ONE_RUNG = CompressionConfig(staleness=0, controller={"ladder": (("quant", 8),)})
+
+
+@pytest.mark.parametrize(
+    "config",
+    ["topk-1pct", "cocktail", "quant4", AUTO_ONE_RUNG],
+    ids=lambda c: c if isinstance(c, str) else "auto-one-rung",
+)
 def test_comm_state_round_trip_continues_bit_identically(config, tmp_path):
     straight = run_ranks(2, _train_span, config, 0, 20, None)
     run_ranks(2, _train_span, config, 0, 10, str(tmp_path))

@@ -179,7 +179,13 @@ def worker(args: argparse.Namespace) -> int:
             result["wan_bytes_reported"] = stats.wan_bytes_sent
             seconds = stats.seconds.items()
             result["comm_ms_per_step"] = {k: 1000 * v / args.steps for k, v in seconds}
-            if comm.controller is not None:
+            outer = getattr(ddp, "outer", None)
+            if outer is not None and outer.schedule is not None:  # the outer loop's choice
+                sched = outer.schedule
+                codecs = ", ".join(f"{n}:{lv}" for n, lv in sched.rungs)
+                result["plans"] = [(outer.step, [f"every {sched.sync_every} steps, {codecs}"])]
+                result["staleness"] = [outer.outer.overlap]
+            elif comm.controller is not None:
                 history = comm.controller.history
                 result["plans"] = [(h["step"], h["levels"]) for h in history]
                 result["decisions"] = [h["text"] for h in history]
