@@ -665,9 +665,8 @@ class Controller:
             for r in range(len(bandwidth)):
                 slowest = min(probed[at[r]][at[q]] for q in range(len(leaders)) if q != r)
                 bandwidth[r] = min(max(slowest / self.topo.shards, MIN_BANDWIDTH), MAX_BANDWIDTH)
+        warm = step > self.FIRST_DECISION  # the first steps wait for peers still warming up
         for region in range(len(bandwidth)):
-            # the first steps' packets waited for peers still warming up: they time no link
-            warm = step > self.FIRST_DECISION
             samples = [s for g in gathered if warm for s in g["received"].get(region, [])]
             measured = passive_bandwidth(samples, self.rtt[region], bandwidth[region])
             if measured is None:
@@ -678,8 +677,9 @@ class Controller:
             # a drop counts at once (the link is slow now); a rise is smoothed
             rise = old is not None and measured > old
             bandwidth[region] = opts.ewma * measured + (1 - opts.ewma) * old if rise else measured
-        # what the dense parts cost per step (rank 0's view), where this interval ran them
-        stages = gathered[0].get("stage_seconds", {})
+        # what the dense parts cost per step (rank 0's view), where this interval ran them -
+        # not in the first steps, whose collectives also set up connections and buffers
+        stages = gathered[0].get("stage_seconds", {}) if warm else {}
         intra = stages.get("intra_reduce", 0.0) + stages.get("intra_gather", 0.0)
         if intra > 0:
             self.intra_s = (
