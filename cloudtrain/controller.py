@@ -542,6 +542,7 @@ class Controller:
         way), and the next one starts from `seen`: gathered, decided on rank 0 and broadcast on
         a background thread, on process groups of the controller's own, so its round trips
         across regions never hold a step up. Every rank returns the same plan."""
+        ran = (list(self.rungs), self.staleness)  # the plan `seen` was measured under
         if self._pending is not None:
             decision, self._pending = self._pending.result(), None  # a failure raises here
             self._apply(step, decision)
@@ -551,12 +552,14 @@ class Controller:
             "received": dict(seen.arrivals),
             "stage_seconds": dict(seen.stage_s),
         }
-        self._pending = self._pool.submit(self._gather, step, mine, list(shard_numels))
+        self._pending = self._pool.submit(self._gather, step, mine, list(shard_numels), ran)
         self.next_due = step + self.interval
         self._write_metrics(step, wan_bytes_sent)
         return self.plan()
 
-    def _gather(self, step: int, mine: dict[str, Any], shard_numels: list[int]) -> tuple:
+    def _gather(
+        self, step: int, mine: dict[str, Any], shard_numels: list[int], ran: tuple
+    ) -> tuple:
         """On the controller's thread: everyone's observations to rank 0, its decision back."""
         t0 = time.perf_counter()
         if self.reprobe and self.topo.local_index == 0:
@@ -571,7 +574,7 @@ class Controller:
         decision: list[Any] = [None]
         if self.topo.rank == 0:
             took = time.perf_counter() - t0
-            decision[0] = self._decide(step, gathered, shard_numels, took)
+            decision[0] = self._decide(step, gathered, shard_numels, took, ran)
         dist.broadcast_object_list(decision, src=0, group=self.own.group("control"))
         return decision[0]
 
@@ -602,6 +605,7 @@ class Controller:
         self,
         step: int,
         gathered: list[Any],
+        ran: tuple[list[int], int],
         rungs: list[int],
         streak: list[int],
         staleness: int,
@@ -614,7 +618,7 @@ class Controller:
         choice is replaced by a measured plan more than 5 % faster than the choice was measured
         to be. A measurement holds until the slowest link or the compute time changes by 2x."""
         steps = sorted(s for g in gathered for s in g.get("steps", []))
-        now = (tuple(self.rungs), self.staleness)
+        now = (tuple(ran[0]), ran[1])
         # the first steps (DDP's bucket rebuild, first allocations, a pipeline filling) are not
         # the time of the plan they ran
         if steps and step > self.FIRST_DECISION + self.options.interval:
@@ -643,17 +647,18 @@ class Controller:
         slowest = min(links.beta[i][j] for i, j in pairs)
         return 2 * 4 * sum(shard_numels) * topo.shards / slowest
 
-    @property
-    def lossless(self) -> bool:
-        """No region compresses: the exchange is one plain all-reduce."""
-        return all(self.options.ladder[r][0] == "none" for r in self.rungs)
-
     def _decide(
-        self, step: int, gathered: list[Any], shard_numels: Sequence[int], took: float
+        self,
+        step: int,
+        gathered: list[Any],
+        shard_numels: Sequence[int],
+        took: float,
+        ran: tuple[list[int], int],
     ) -> tuple:
-        """Rank 0, on the controller's thread: the plan from everyone's observations. `took`:
-        seconds the gathering took; the next decisions come that much further apart in steps
-        (twice it, for the broadcast back), so that each has arrived when it is due."""
+        """Rank 0, on the controller's thread: the plan from everyone's observations, which were
+        measured under the plan `ran` (rungs, staleness; the current one may have taken effect
+        since). `took`: seconds the gathering took; the next decisions come that much further
+        apart in steps (twice it, for the broadcast back), so that each has arrived when due."""
         opts = self.options
         computes = sorted(c for g in gathered for c in g["compute"])
         compute_time = computes[len(computes) // 2] if computes else self.compute_time or 1.0
@@ -710,12 +715,13 @@ class Controller:
             for b, r in zip(bandwidth, self.rtt, strict=True)
         ]
         compressed = sum(stages.get(k, 0.0) for k in self.COMPRESSED_STAGES)
-        if compressed > 0 and not self.lossless:
+        ran_rungs = ran[0]
+        if compressed > 0 and not Plan(tuple(opts.ladder[r] for r in ran_rungs)).lossless:
             cpu, receivers = self.cpu_seconds(shard_numels), max(len(links) - 1, 1)
             model = overhead + max(
                 self.codecs.step_nbytes(opts.ladder[r], shard_numels, receivers) / link.bandwidth
                 + cpu[r]
-                for r, link in zip(self.rungs, links, strict=True)
+                for r, link in zip(ran_rungs, links, strict=True)
             )
             unmodelled = max(compressed - model, 0.0)
             self.unmodelled_s = (
@@ -755,7 +761,7 @@ class Controller:
         # gradients at once (or none), so it should not flap
         staleness = max(staleness, min(self.staleness - 1, max(depths)))
         rungs, streak, staleness = self._measured_best(
-            step, gathered, rungs, streak, staleness, slowest, compute_time
+            step, gathered, ran, rungs, streak, staleness, slowest, compute_time
         )
         names = self.topo.regions
         text = (
@@ -821,9 +827,13 @@ class Controller:
         self.intra_s, self.allreduce_s = state["intra_s"], state["allreduce_s"]
         self.allreduce_bw, self.unmodelled_s = state["allreduce_bw"], state["unmodelled_s"]
         self.staleness = int(state["staleness"])
-        self.next_due, self.interval = int(state["next_due"]), int(state["interval"])
+        if self._pending is not None:  # rank 0 may still be deciding: it writes measurements
+            self._pending.result()
+        # (a state saved before decisions ran in the background: the next one is due at once)
+        self.next_due = int(state.get("next_due", self.FIRST_DECISION))
+        self.interval = int(state.get("interval", self.options.interval))
         self._pending = None
-        if state["pending"] is not None:  # the decision on its way when the state was saved
+        if state.get("pending") is not None:  # the decision on its way when it was saved
             self._pending = concurrent.futures.Future()
             self._pending.set_result(tuple(state["pending"]))
         self.measured_steps = {

@@ -142,6 +142,11 @@ class CloudDDP(DistributedDataParallel):
             )
         log.info("cloudtrain: %s; config %s", topo.describe(), config.codec)
 
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.outer is not None and self.training and torch.is_grad_enabled():
+            self.outer.catch_up()  # where AMP skipped this region's last step (OuterLoop)
+        return super().forward(*inputs, **kwargs)
+
     @property
     def compression_config(self) -> CompressionConfig:
         return self.comm.config

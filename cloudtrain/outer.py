@@ -301,6 +301,15 @@ class OuterLoop:
         now = time.perf_counter()
         self._times.append(now - self._last)
         self._last = now
+        self.catch_up()
+
+    def catch_up(self) -> None:
+        """Run the schedule up to the gradient syncs done. After every optimizer step; and,
+        for a region whose step was skipped, at the start of its next training forward, in
+        finish() and in state_dict(): before any other collective the ranks then issue (DDP's
+        buffer broadcast, a checkpoint's gather), so a region waiting in a sync is never
+        waited for. (A collective of the user's own between optimizer.step() and the next
+        forward, on a step AMP skipped in one region and with overlap 0, would still wait.)"""
         while self.step < self._steps():
             self.step += 1
             self._at_step()
@@ -418,9 +427,7 @@ class OuterLoop:
     def finish(self) -> None:
         """Merge what is in flight, then sync every fragment once (all ranks call): every
         replica then holds the same parameters (e.g. before the final evaluation or export)."""
-        while self.step < self._steps():  # a region whose last steps AMP skipped catches up
-            self.step += 1
-            self._at_step()
+        self.catch_up()  # a region whose last step AMP skipped
         for flight in sorted(self.flights.values(), key=lambda x: x.fragment):
             self._merge(flight)
         if self.schedule is None:
@@ -438,6 +445,7 @@ class OuterLoop:
     def state_dict(self) -> dict[str, Any]:
         """Outer copy, momentum, residuals, in-flight fragments (their exchanges are waited for,
         so that the residuals are the ones after them) and the schedule."""
+        self.catch_up()
         self._wait()
         return {
             "format": OUTER_STATE_FORMAT,

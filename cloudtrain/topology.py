@@ -194,10 +194,12 @@ class Topology:
         (and gloo, also inside a region: NCCL collectives issued from two threads on one device
         can be queued in different orders on different ranks and deadlock)."""
         ranks = {"control": list(range(self.world_size)), **self.group_ranks()}
+        unknown = [name for name in names if name not in ranks]
+        if unknown:
+            raise ValueError(f"no process group {unknown} in this topology (it has {list(ranks)})")
         own = dataclasses.replace(self, groups=dict(self.groups))
         for name in names:
-            if name in ranks:
-                own.groups[name] = dist.new_group(ranks[name], timeout=timeout, backend="gloo")
+            own.groups[name] = dist.new_group(ranks[name], timeout=timeout, backend="gloo")
         return own
 
     def group(self, name: str) -> Any:

@@ -117,7 +117,8 @@ def _amp_skips(rank, world, outer, steps, overflow):
     import cloudtrain
 
     cloudtrain.init()
-    model = make_model()
+    # a buffer: DDP broadcasts it from rank 0 at every forward, a collective of all ranks
+    model = torch.nn.Sequential(make_model(), torch.nn.BatchNorm1d(5))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = CompressionConfig(regions="a,a,b,b", nonfinite="pass", timeout_s=30, outer=outer)
     ddp = cloudtrain.CloudDDP(model, config, optimizer=opt)
@@ -135,6 +136,7 @@ def _amp_skips(rank, world, outer, steps, overflow):
         scaler.step(opt)
         scaler.update()
         skipped += scaler.get_scale() < before
+        ddp.comm_state_dict()  # as a checkpoint would, every step
     ddp.finish_outer()
     loop = ddp.outer
     return [crc(p) for p in model.parameters()], [crc(g) for g in loop.global_], skipped, loop.step
@@ -144,8 +146,9 @@ def _amp_skips(rank, world, outer, steps, overflow):
 def test_amp_skipped_steps_keep_the_regions_schedules_together(overlap):
     """GradScaler skips the optimizer step of a region whose gradients overflowed, and only that
     region's: the outer loop counts gradient syncs, so the skipping region still syncs with the
-    others: region b skips a sync step of fragment 1 and catches up on its next step; then both
-    sync fragment 0 on the last step (counting optimizer steps, b would be one short and its
+    others: region b skips a sync step of fragment 1 and catches up before anything else of all
+    ranks (a checkpoint's state, DDP's buffer broadcast in the next forward); then both sync
+    fragment 0 on the last step (counting optimizer steps, b would be one short and its
     exchanges one fewer than a's)."""
     steps = 12
     outer = OuterConfig(
