@@ -39,9 +39,9 @@ The decision is made on rank 0 from everyone's observations (gathered) and broad
 rank uses the same plan - and so knows every packet's size. Gathering and broadcasting cross
 regions (round trips of their own: about a second at 180 ms), so they run on a background thread
 on process groups of the controller's own, and a decision takes effect at the next due step; the
-steps between decisions grow to twice what the last gathering took, so it has arrived by then. `plan_levels` is the pure function
-at its heart; the Controller class adds the measurements, the state (part of comm_state_dict)
-and the logging (each change is logged; metrics() feeds TensorBoard when it is installed).
+steps between decisions grow to twice what the last gathering took, so it has arrived by then.
+`plan_levels` is the pure function at its heart; the Controller class adds the measurements, the
+state (part of comm_state_dict) and the logging (each change is logged; metrics() feeds TensorBoard when it is installed).
 Its interface to the hook is narrow: `due(step)`, then `decide(step, observations, shard_numels)`
 -> Plan (cloudtrain.stats.Observations: what a rank measured; cloudtrain.plan.Plan).
 """
@@ -604,7 +604,7 @@ class Controller:
     def _measured_best(
         self,
         step: int,
-        gathered: list[Any],
+        step_s: float | None,
         ran: tuple[list[int], int],
         rungs: list[int],
         streak: list[int],
@@ -617,12 +617,11 @@ class Controller:
         the interval, smoothed) is kept with the link and compute it was measured at; the model's
         choice is replaced by a measured plan more than 5 % faster than the choice was measured
         to be. A measurement holds until the slowest link or the compute time changes by 2x."""
-        steps = sorted(s for g in gathered for s in g.get("steps", []))
         now = (tuple(ran[0]), ran[1])
         # the first steps (DDP's bucket rebuild, first allocations, a pipeline filling) are not
         # the time of the plan they ran
-        if steps and step > self.FIRST_DECISION + self.options.interval:
-            took = steps[len(steps) // 2]
+        if step_s is not None and step > self.FIRST_DECISION + self.options.interval:
+            took = step_s
             old = self.measured_steps.get(now)
             if old is not None:
                 took = self.options.ewma * took + (1 - self.options.ewma) * old[0]
@@ -760,8 +759,10 @@ class Controller:
         # a shallower pipeline one step at a time: each change of depth applies two steps'
         # gradients at once (or none), so it should not flap
         staleness = max(staleness, min(self.staleness - 1, max(depths)))
+        steps = sorted(s for g in gathered for s in g.get("steps", []))
+        step_s = steps[len(steps) // 2] if steps else None  # the interval's median step
         rungs, streak, staleness = self._measured_best(
-            step, gathered, ran, rungs, streak, staleness, slowest, compute_time
+            step, step_s, ran, rungs, streak, staleness, slowest, compute_time
         )
         names = self.topo.regions
         text = (
@@ -773,9 +774,8 @@ class Controller:
             )
             + f"; staleness {staleness}; compute {1000 * compute_time:.0f} ms/step"
         )
-        steps = sorted(s for g in gathered for s in g.get("steps", []))
-        step_s = steps[len(steps) // 2] if steps else compute_time
-        interval = max(opts.interval, min(math.ceil(2 * took / max(step_s, 1e-3)) + 1, 10_000))
+        per_step = step_s if step_s is not None else compute_time
+        interval = max(opts.interval, min(math.ceil(2 * took / max(per_step, 1e-3)) + 1, 10_000))
         record = {
             "step": step,
             "interval": interval,
@@ -817,6 +817,8 @@ class Controller:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._pending is not None:  # rank 0 may still be deciding: it writes measurements
+            self._pending.result()
         if len(state["rungs"]) != len(self.rungs):
             raise ValueError("controller state is for another number of regions")
         self.bandwidth = list(state["bandwidth"])
@@ -827,8 +829,6 @@ class Controller:
         self.intra_s, self.allreduce_s = state["intra_s"], state["allreduce_s"]
         self.allreduce_bw, self.unmodelled_s = state["allreduce_bw"], state["unmodelled_s"]
         self.staleness = int(state["staleness"])
-        if self._pending is not None:  # rank 0 may still be deciding: it writes measurements
-            self._pending.result()
         # (a state saved before decisions ran in the background: the next one is due at once)
         self.next_due = int(state.get("next_due", self.FIRST_DECISION))
         self.interval = int(state.get("interval", self.options.interval))
@@ -838,7 +838,7 @@ class Controller:
             self._pending.set_result(tuple(state["pending"]))
         self.measured_steps = {
             (tuple(rungs), int(staleness)): (took, bandwidth, compute)
-            for rungs, staleness, took, bandwidth, compute in state["measured_steps"]
+            for rungs, staleness, took, bandwidth, compute in state.get("measured_steps", [])
         }
         self.history = list(state["history"])
 

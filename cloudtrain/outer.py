@@ -294,17 +294,16 @@ class OuterLoop:
     # -- every inner step ---------------------------------------------------------------------
     @torch.no_grad()
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """The schedule counts gradient syncs, not optimizer steps: AMP's GradScaler skips the
-        step of a region whose gradients overflowed, and only that region's, so counting steps
-        would put the regions' syncs out of step. A region that skipped catches up here on its
-        next step (a sync it missed runs now, with the parameters it has)."""
+        """The optimizer's step post-hook: time the step, then run the schedule (catch_up)."""
         now = time.perf_counter()
         self._times.append(now - self._last)
         self._last = now
         self.catch_up()
 
     def catch_up(self) -> None:
-        """Run the schedule up to the gradient syncs done. After every optimizer step; and,
+        """Run the schedule up to the gradient syncs done - its clock, not optimizer steps:
+        AMP's GradScaler skips the step of only the region whose gradients overflowed, so
+        counting steps would put the regions' syncs apart. After every optimizer step; and,
         for a region whose step was skipped, at the start of its next training forward, in
         finish() and in state_dict(): before any other collective the ranks then issue (DDP's
         buffer broadcast, a checkpoint's gather), so a region waiting in a sync is never
