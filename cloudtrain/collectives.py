@@ -138,14 +138,16 @@ def exchange_sized(
     timings: dict[int, float] | None = None,
 ) -> Pending:
     """Owners send packets of different sizes, known to all from the plan: point-to-point.
-    `wait()` returns the packets in `peers` order (this rank's own included).
+    `wait()` returns the packets in `peers` order (this rank's own included). A sender may send
+    fewer bytes than its size says (zstd): that packet is received into a buffer of `sizes[i]`
+    bytes and must be cut to its own length by whoever reads it (`compress.cut`).
 
     With `timings`, records for every peer the seconds from the start until its packet was in
     (the controller's passive bandwidth estimate).
     """
-    if wire.numel() != sizes[me]:
+    if wire.numel() > sizes[me]:
         raise CommError(
-            f"cloudtrain: own packet is {wire.numel()} bytes, the plan announced {sizes[me]}{where}"
+            f"cloudtrain: own packet is {wire.numel()} bytes, the plan allows {sizes[me]}{where}"
         )
     received = [
         wire if i == me else torch.empty(size, dtype=torch.uint8) for i, size in enumerate(sizes)

@@ -26,6 +26,11 @@ measured time stands in where the last interval ran it. When no rung fits, more 
 worth its accuracy only while it still makes the step faster: the lightest rung at most `slack`
 x compute time slower than the fastest.
 
+The zstd stage (lossless, level 1) goes on per link, after the rung is chosen, where the link
+time it saves beats the CPU it costs by ZSTD_MARGIN (`plan_zstd`): once per interval each shard
+owner tries it on a sample of its own packet at the rung it sends with, and rank 0 keeps the
+smoothed ratio and CPU seconds per byte of every (region, rung) it has seen.
+
 Measurements: bandwidth starts from the active probe (cloudtrain.probe) and follows the real
 transfers - each owner times every packet it receives; a drop counts at once, a rise is smoothed
 (EWMA), packets too small to show bandwidth are ignored, and links left unmeasured for a while
@@ -405,6 +410,32 @@ def passive_bandwidth(
     return measured
 
 
+ZSTD_MARGIN = 1.5
+"""The zstd stage goes on for a link when the link time it saves is this many times the CPU it
+costs (the CPU competes with compute; the saving is a measured ratio that varies)."""
+
+Gain = tuple[float, float, float]
+"""The zstd stage measured on a sender's packets: (ratio, encode s/byte, decode s/byte)."""
+
+
+def plan_zstd(gains: Sequence[Gain | None], links: Sequence[LinkEstimate]) -> list[bool]:
+    """Per sender region (pure function): the zstd stage on where its measured gain at the rung
+    it sends with saves more link time than it costs CPU, by ZSTD_MARGIN. Per byte of a packet,
+    the link saves (1 - 1/ratio) x receivers / bandwidth (the packet crosses once to each other
+    region); the sender compresses once and each receiver decompresses once, in parallel. A
+    region without a measurement at its rung goes without."""
+    receivers = max(len(links) - 1, 1)
+    out = []
+    for gain, link in zip(gains, links, strict=True):
+        if gain is None:
+            out.append(False)
+            continue
+        ratio, encode, decode = gain
+        saved = (1 - 1 / max(ratio, 1.0)) * receivers / link.bandwidth
+        out.append(saved > ZSTD_MARGIN * (encode + decode))
+    return out
+
+
 class Controller:
     """Plans levels for CloudDDP's "auto" config (module docstring)."""
 
@@ -428,6 +459,9 @@ class Controller:
         self.rtt: list[float] = [0.0] * regions
         self.rungs = [0] * regions
         self.streak = [0] * regions
+        self.zstd_choice = config.zstd  # None: decided per link (plan_zstd)
+        self.zstd = [config.zstd is True] * regions
+        self.zstd_gains: dict[tuple[int, int], Gain] = {}  # (region, rung) -> smoothed Gain
         self.staleness = 0 if config.staleness is None else config.staleness
         self.allowed_staleness: tuple[int, ...] = (
             (config.staleness,)
@@ -528,7 +562,8 @@ class Controller:
     # -- decisions (all ranks call, rank 0 decides) ----------------------------------------------
     def plan(self) -> Plan:
         """The plan of the current rungs and pipeline depth."""
-        return Plan(tuple(self.options.ladder[r] for r in self.rungs), self.staleness)
+        zstd = tuple(self.zstd) if any(self.zstd) else ()
+        return Plan(tuple(self.options.ladder[r] for r in self.rungs), self.staleness, zstd)
 
     def due(self, step: int) -> bool:
         """Whether `step` starts with a decision (all ranks then call `decide`)."""
@@ -551,6 +586,7 @@ class Controller:
             "steps": list(seen.step_s),
             "received": dict(seen.arrivals),
             "stage_seconds": dict(seen.stage_s),
+            "zstd": list(seen.zstd),
         }
         self._pending = self._pool.submit(self._gather, step, mine, list(shard_numels), ran)
         self.next_due = step + self.interval
@@ -589,6 +625,9 @@ class Controller:
         )
         self.staleness = record["staleness"]
         self.interval = record["interval"]
+        zstd = record.get("zstd", [False] * len(rungs))  # (a decision saved before zstd was)
+        changed = changed or zstd != self.zstd
+        self.zstd = zstd
         self.history.append(record)
         if changed and self.topo.rank == 0:  # one line per change, not one per rank
             log.warning(
@@ -764,11 +803,13 @@ class Controller:
         rungs, streak, staleness = self._measured_best(
             step, step_s, ran, rungs, streak, staleness, slowest, compute_time
         )
+        zstd = self._zstd(gathered, ran[0], rungs, staleness, links)
         names = self.topo.regions
         text = (
             "plan "
             + ", ".join(
-                f"{names[r]}: {_describe(opts.ladder[rungs[r]])} ({8 * links[r].bandwidth / 1e6:.1f} Mbit/s, "
+                f"{names[r]}: {_describe(opts.ladder[rungs[r]])}{' + zstd' if zstd[r] else ''} "
+                f"({8 * links[r].bandwidth / 1e6:.1f} Mbit/s, "
                 f"budget {budgets[r] / 1e6:.2f} MB/step)"
                 for r in range(len(names))
             )
@@ -780,16 +821,53 @@ class Controller:
             "step": step,
             "interval": interval,
             "rungs": rungs,
-            "levels": [_describe(opts.ladder[r]) for r in rungs],
+            "levels": [
+                _describe(opts.ladder[r]) + (" + zstd" if z else "")
+                for r, z in zip(rungs, zstd, strict=True)
+            ],
             "bandwidth_Bps": [link.bandwidth for link in links],
             "budget_B": budgets,
             "compute_s": compute_time,
             "intra_s": self.intra_s,
             "allreduce_s": self.allreduce_s,
             "staleness": staleness,
+            "zstd": zstd,
             "text": text,
         }
         return rungs, streak, bandwidth, compute_time, reprobe, record
+
+    def _zstd(
+        self,
+        gathered: list[Any],
+        ran_rungs: list[int],
+        rungs: list[int],
+        staleness: int,
+        links: list[LinkEstimate],
+    ) -> list[bool]:
+        """Rank 0: the interval's zstd trials (made at the rungs `ran_rungs`) into the smoothed
+        gain of each (region, rung); then the stage per link at the rungs chosen (plan_zstd)."""
+        regions = len(links)
+        if self.zstd_choice is not None:  # the config says
+            return [self.zstd_choice] * regions
+        trials: dict[int, list[Gain]] = {}
+        for rank, seen in enumerate(gathered):
+            region = self.topo.regions.index(self.topo.rank_regions[rank])
+            trials.setdefault(region, []).extend(tuple(t) for t in seen.get("zstd", []))
+        ewma = self.options.ewma
+        for region, tried in trials.items():
+            if not tried:
+                continue
+            mean = tuple(sum(t[i] for t in tried) / len(tried) for i in range(3))
+            key = (region, ran_rungs[region])
+            old = self.zstd_gains.get(key)
+            self.zstd_gains[key] = (
+                mean
+                if old is None
+                else tuple(ewma * m + (1 - ewma) * o for m, o in zip(mean, old, strict=True))
+            )
+        if staleness == 0 and Plan(tuple(self.options.ladder[r] for r in rungs)).lossless:
+            return [False] * regions  # one plain all-reduce: no packets to compress
+        return plan_zstd([self.zstd_gains.get((r, rungs[r])) for r in range(regions)], links)
 
     # -- state and metrics -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -806,6 +884,8 @@ class Controller:
             "allreduce_bw": self.allreduce_bw,
             "unmodelled_s": self.unmodelled_s,
             "staleness": self.staleness,
+            "zstd": list(self.zstd),
+            "zstd_gains": [[r, rung, *gain] for (r, rung), gain in self.zstd_gains.items()],
             "next_due": self.next_due,
             "interval": self.interval,
             "pending": pending,
@@ -829,6 +909,11 @@ class Controller:
         self.intra_s, self.allreduce_s = state["intra_s"], state["allreduce_s"]
         self.allreduce_bw, self.unmodelled_s = state["allreduce_bw"], state["unmodelled_s"]
         self.staleness = int(state["staleness"])
+        self.zstd = [bool(z) for z in state.get("zstd", self.zstd)]
+        self.zstd_gains = {
+            (int(r), int(rung)): (ratio, encode, decode)
+            for r, rung, ratio, encode, decode in state.get("zstd_gains", [])
+        }
         # (a state saved before decisions ran in the background: the next one is due at once)
         self.next_due = int(state.get("next_due", self.FIRST_DECISION))
         self.interval = int(state.get("interval", self.options.interval))

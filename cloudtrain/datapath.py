@@ -36,10 +36,13 @@ from .collectives import (
     finish,
     reduce_scatter_single,
 )
-from .compress import ErrorFeedback, Expected, RandomKey, from_wire, to_wire
-from .plan import Codecs, Plan
+from .compress import ErrorFeedback, Expected, RandomKey, cut, from_wire, to_wire, wire_zstd_gain
+from .plan import ZSTD_LEVEL, Codecs, Plan
 from .stats import CommStats, Observer
 from .topology import Topology
+
+TRIAL_BYTES = 1 << 20
+"""Payload bytes of a packet the zstd stage is tried on (encode): ~2 ms of CPU per interval."""
 
 
 @dataclass
@@ -72,30 +75,34 @@ class InFlight:
     arrivals: dict[int, tuple[int, float]] = field(default_factory=dict)
 
 
-class _Stamped:
-    """A swap's Pending that, once waited for, leaves each sender's (bytes, seconds) in
-    `arrivals`."""
+class _Received:
+    """A swap's Pending whose packets, once waited for, are cut to their own size where their
+    sender zstd-compressed them (received into a buffer of the size without zstd) and, with
+    `timings`, leave each sender's (bytes, seconds) in `arrivals`."""
 
-    __slots__ = ("_arrivals", "_pending", "_sizes", "_timings")
+    __slots__ = ("_arrivals", "_pending", "_timings", "_zstd")
 
     def __init__(
         self,
         pending: Pending,
-        timings: dict[int, float],
-        sizes: list[int],
+        zstd: list[bool],
+        timings: dict[int, float] | None,
         arrivals: dict[int, tuple[int, float]],
     ) -> None:
-        self._pending, self._timings, self._sizes, self._arrivals = (
+        self._pending, self._zstd, self._timings, self._arrivals = (
             pending,
+            zstd,
             timings,
-            sizes,
             arrivals,
         )
 
     def wait(self) -> list[torch.Tensor]:
-        wires = self._pending.wait()
-        for region, seconds in self._timings.items():
-            self._arrivals[region] = (self._sizes[region], seconds)
+        wires = [
+            cut(wire) if zstd else wire
+            for wire, zstd in zip(self._pending.wait(), self._zstd, strict=True)
+        ]
+        for region, seconds in (self._timings or {}).items():
+            self._arrivals[region] = (wires[region].numel(), seconds)
         return wires
 
 
@@ -217,17 +224,26 @@ class CrossRegion:
         valid: int,
     ) -> torch.Tensor:
         """This region's packet for `x`, with error feedback (also at "none": what earlier
-        levels kept back goes out now). Elements from `valid` on are padding."""
+        levels kept back goes out now), through the zstd stage where the plan says. Elements
+        from `valid` on are padding. Once per decision interval, with an observer, the zstd
+        stage is also tried on (a sample of) the packet without it: what it would save and cost
+        at this rung, for the controller's choice."""
         me = self.topo.region
         name, level = plan.senders[me]
         codec = self.codecs(name)
         key = RandomKey(self.config.seed, step, bucket, me)
+        zstd = ZSTD_LEVEL if plan.zstd_for(me) else None
+        trial = self.observer is not None and self.observer.zstd_trial_due()
         with self.stats.timed("encode"):
             if self.ef is not None:
                 packet = self.ef.encode(ef_key, x, codec, level, key, valid=valid)
             else:
                 packet = codec.encode(x, level, key)
-            return to_wire(packet)
+            if not trial:
+                return to_wire(packet, zstd)
+        wire = to_wire(packet)
+        self.observer.zstd_tried(wire_zstd_gain(wire, ZSTD_LEVEL, sample_bytes=TRIAL_BYTES))
+        return wire if zstd is None else to_wire(packet, zstd)
 
     def swap(
         self,
@@ -247,15 +263,15 @@ class CrossRegion:
         self.stats.wan_bytes_sent += wire.numel() * (len(peers) - 1)
         if plan.uniform and self.observer is None:
             return exchange_fixed(wire, peers, group, self.timeout, where)
-        # per-sender sizes, known to all from the plan; arrivals timed for the controller
+        # per-sender sizes known to all from the plan (a zstd sender's: at most that);
+        # arrivals timed for the controller
         sizes = [self.codecs.wire_nbytes(rung, m, dtype) for rung in plan.senders]
         timings: dict[int, float] | None = {} if self.observer is not None else None
         pending = exchange_sized(
             wire, sizes, peers, topo.region, group, self.timeout, where, timings
         )
-        if timings is not None:
-            pending = _Stamped(pending, timings, sizes, arrivals)
-        return pending
+        zstd = [plan.zstd_for(r) for r in range(len(sizes))]
+        return _Received(pending, zstd, timings, arrivals) if timings or any(zstd) else pending
 
     def accumulate(
         self,
@@ -268,13 +284,13 @@ class CrossRegion:
         device: torch.device,
     ) -> torch.Tensor:
         """Check every packet against what the plan says it must be (`Expected`: step, bucket,
-        sender, numel, level, dtype), decode, and sum in region order."""
+        sender, numel, level, dtype, zstd), decode, and sum in region order."""
         out = torch.zeros(m, dtype=torch.float32, device=device)
         for region, data in enumerate(wires):
             name, level = plan.senders[region]
             codec = self.codecs(name)
             key = RandomKey(self.config.seed, step, bucket, region)
-            expect = Expected(m, level, key, dtype=dtype)
+            expect = Expected(m, level, key, zstd=plan.zstd_for(region), dtype=dtype)
             packet = from_wire(data, codec, expect=expect)
             if device.type != "cpu":
                 parts = tuple(p.to(device, non_blocking=True) for p in packet.parts)

@@ -148,7 +148,8 @@ class CommState:
         if self.config.codec == AUTO:  # one region: nothing crosses a slow link
             return Plan.same(NONE, regions)
         level = self.codecs(self.config.codec).check_level(self.config.level)
-        return Plan.same((self.config.codec, level), regions, self.config.staleness or 0)
+        rung = (self.config.codec, level)
+        return Plan.same(rung, regions, self.config.staleness or 0, self.config.zstd is True)
 
     def shard_numels(self) -> list[int]:
         return self.layouts.shard_numels(self.topo.shards, self.params)

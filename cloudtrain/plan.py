@@ -1,7 +1,8 @@
 """What crosses regions this step: the `Plan`, and the codecs it names, built once from the config.
 
 A plan gives, for every region (by region index), the (codec name, level) its shard owners send
-with, and the staleness at which a step's exchange is applied. It is fixed by the config, or decided by the controller on rank 0 and broadcast, so every
+with, whether they zstd-compress their packets, and the staleness at which a step's exchange is
+applied. It is fixed by the config, or decided by the controller on rank 0 and broadcast, so every
 rank knows every packet's size before any collective starts - the invariant that keeps ranks
 from disagreeing about a collective's shape. The hook and the controller both import this
 module; it imports neither.
@@ -26,6 +27,10 @@ Rung = tuple[str, Level]
 
 NONE: Rung = ("none", None)
 
+ZSTD_LEVEL = 1
+"""zstd level of the packets' zstd stage: level 1 saves as much as 3 on gradient packets
+(`python -m cloudtrain.compress.bench`) at half the CPU."""
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -34,15 +39,24 @@ class Plan:
     senders: tuple[Rung, ...]
     staleness: int = 0
     """Steps after which a step's exchange is applied (cloudtrain.pipeline); 0: synchronous."""
+    zstd: tuple[bool, ...] = ()
+    """By region index: its packets go through the zstd stage (kept where it shrinks them, so
+    their size is known only to the sender: receivers take them into a buffer of the size
+    without zstd and cut them by their header). Empty: no region's."""
 
     @classmethod
-    def same(cls, rung: Rung, regions: int, staleness: int = 0) -> Plan:
-        return cls(tuple(rung for _ in range(regions)), staleness)
+    def same(cls, rung: Rung, regions: int, staleness: int = 0, zstd: bool = False) -> Plan:
+        return cls(
+            tuple(rung for _ in range(regions)), staleness, (True,) * regions if zstd else ()
+        )
+
+    def zstd_for(self, region: int) -> bool:
+        return bool(self.zstd) and self.zstd[region]
 
     @property
     def uniform(self) -> bool:
-        """Every sender's packet has the same size: one all_gather moves them all."""
-        return len(set(map(repr, self.senders))) == 1
+        """Every sender's packet has the same size, known to all: one all_gather moves them."""
+        return len(set(map(repr, self.senders))) == 1 and not any(self.zstd)
 
     @property
     def lossless(self) -> bool:

@@ -8,7 +8,8 @@ to the next rank, so a rank whose successor is in another region sends that much
 over ranks it is what the shaped links' interface counters show, less TCP/IP headers.
 
 `Observations` is one rank's measurements since the last decision: compute time of each step,
-the arrival time of every packet received from each region, and seconds per step of each stage.
+the arrival time of every packet received from each region, seconds per step of each stage, and
+what the zstd stage would do to its own packets.
 The controller gathers them from all ranks; it never reads the hook's state.
 """
 
@@ -90,18 +91,22 @@ class Observations:
     """Sender region -> (packet bytes, seconds until it arrived) of each packet received."""
     stage_s: dict[str, float] = field(default_factory=dict)
     """Seconds per step spent in each stage."""
+    zstd: list[tuple[float, float, float]] = field(default_factory=list)
+    """The zstd stage tried on this rank's own packets (ZstdGain: ratio, encode and decode
+    seconds per byte), once per interval, at the rung its region sent with."""
 
 
 class Observer:
     """Collects Observations on the training and communication threads."""
 
-    __slots__ = ("_current", "_seconds_seen", "_step_start", "_steps")
+    __slots__ = ("_current", "_seconds_seen", "_step_start", "_steps", "_trial")
 
     def __init__(self) -> None:
         self._current = Observations()
         self._step_start: float | None = None
         self._seconds_seen: dict[str, float] = {}
         self._steps = 0
+        self._trial = True
 
     def step_started(self) -> None:
         """The previous step's communication is done: compute of the next one starts."""
@@ -120,15 +125,24 @@ class Observer:
         if seconds > 0:
             self._current.arrivals.setdefault(region, []).append((nbytes, seconds))
 
+    def zstd_trial_due(self) -> bool:
+        """True once per interval: the next packet encoded tries the zstd stage too."""
+        due, self._trial = self._trial, False
+        return due
+
+    def zstd_tried(self, gain: Any) -> None:
+        self._current.zstd.append((gain.ratio, gain.encode_s_per_byte, gain.decode_s_per_byte))
+
     def take(self, stats: CommStats) -> Observations:
         """What was seen since the last call, with stage seconds per step from `stats`."""
         seen, self._current = self._current, Observations()
         steps = max(self._steps, 1)
         now = dict(stats.seconds)
         seen.stage_s = {k: (v - self._seconds_seen.get(k, 0.0)) / steps for k, v in now.items()}
-        self._seconds_seen, self._steps = now, 0
+        self._seconds_seen, self._steps, self._trial = now, 0, True
         return seen
 
     def reset(self) -> None:
         """After a resume: stage times start again from zero."""
         self._current, self._seconds_seen, self._steps = Observations(), {}, 0
+        self._trial = True

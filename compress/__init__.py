@@ -28,9 +28,11 @@ from .packet import (
     Packet,
     PacketError,
     ZstdGain,
+    cut,
     from_wire,
     read_header,
     to_wire,
+    wire_zstd_gain,
     zstd_gain,
 )
 from .rng import RandomKey
@@ -49,6 +51,7 @@ __all__ = [
     "ZstdGain",
     "all_finite",
     "check_finite",
+    "cut",
     "density_k",
     "flat_float",
     "from_wire",
@@ -58,5 +61,6 @@ __all__ = [
     "register_codec",
     "registered_codecs",
     "to_wire",
+    "wire_zstd_gain",
     "zstd_gain",
 ]

@@ -402,6 +402,24 @@ def from_wire(
     return Packet(codec, level, h["numel"], h["dtype"], h["key"], tuple(parts))
 
 
+def cut(buf: torch.Tensor) -> torch.Tensor:
+    """A packet received into a buffer of the largest size the plan allows for it (a zstd
+    sender's packet is shorter, by how much only the sender knew): the packet's own bytes, as
+    many as its header states - after checking the buffer holds that many. from_wire then checks
+    the rest (magic, version, CRC, every size) as for any packet."""
+    if buf.numel() < HEADER_NBYTES:
+        raise PacketError(
+            f"truncated packet: {buf.numel()} bytes, a header alone is {HEADER_NBYTES}"
+        )
+    payload_len = struct.unpack_from("<I", buf[HEADER_NBYTES - 8 : HEADER_NBYTES - 4].numpy())[0]
+    if HEADER_NBYTES + payload_len > buf.numel():
+        raise PacketError(
+            f"packet declares {HEADER_NBYTES + payload_len} bytes, more than the "
+            f"{buf.numel()} the plan allows its sender"
+        )
+    return buf[: HEADER_NBYTES + payload_len]
+
+
 # ---------------------------------------------------------------------------------------------
 # what the zstd stage gains
 
@@ -435,18 +453,28 @@ def zstd_gain(
     repeats: int = 3,
 ) -> ZstdGain:
     """Encode `sample` (e.g. a real gradient) with codec at level, then time the zstd stage on
-    that packet: the ratio it gets and its CPU cost per byte (best of `repeats`), so a caller can
-    turn the stage on for a link where `net_seconds_per_byte` is positive."""
+    that packet (`wire_zstd_gain`), so a caller can turn the stage on for a link where
+    `net_seconds_per_byte` is positive."""
+    packet = codec.encode(sample, level, key or RandomKey())
+    return wire_zstd_gain(to_wire(packet), zstd_level, repeats=repeats)
+
+
+def wire_zstd_gain(
+    wire: torch.Tensor, zstd_level: int = 1, *, sample_bytes: int | None = None, repeats: int = 1
+) -> ZstdGain:
+    """The zstd stage timed on a packet already on the wire without it (`to_wire(packet)`): the
+    ratio it would get and its CPU cost per byte (best of `repeats`), on the first
+    `sample_bytes` of the payload when given (a trial that costs little on a large packet)."""
     import time
 
     import zstandard
 
-    packet = codec.encode(sample, level, key or RandomKey())
-    raw_sizes = [p.numel() * p.element_size() for p in packet.parts]
-    payload = _payload(packet.parts, raw_sizes)
-    plain = HEADER_NBYTES + payload.numel()
+    payload = wire[HEADER_NBYTES:]
+    if sample_bytes is not None:
+        payload = payload[:sample_bytes]
     if payload.numel() == 0:
         return ZstdGain(1.0, 0.0, 0.0)
+    plain = HEADER_NBYTES + payload.numel()
     encode_s = decode_s = float("inf")
     packed = b""
     decompressor = zstandard.ZstdDecompressor()

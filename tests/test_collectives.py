@@ -86,6 +86,6 @@ def _wrong_size(rank, world):
     return None
 
 
-def test_own_packet_of_another_size_than_the_plan_is_refused_before_sending():
+def test_own_packet_larger_than_the_plan_allows_is_refused_before_sending():
     for text in run_ranks(2, _wrong_size):
-        assert text is not None and "own packet is 9 bytes, the plan announced 8" in text
+        assert text is not None and "own packet is 9 bytes, the plan allows 8" in text

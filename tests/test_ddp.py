@@ -89,14 +89,14 @@ def test_codec_none_across_two_regions_of_two_matches_ddp_to_rounding():
         assert worst < 1e-6
 
 
-def _versus_reference(rank, world, config, regions, steps):
+def _versus_reference(rank, world, config, regions, steps, zstd=None):
     """Replay CloudDDP's math with the codec library alone (tests/replay.py) and compare every
     step's gradient, including DDP's bucket rebuild after the first step (residuals return to
     the gradients)."""
     import cloudtrain
 
     cloudtrain.init()
-    cfg = CompressionConfig.resolve(config, regions=regions)
+    cfg = CompressionConfig.resolve(config, regions=regions, zstd=zstd)
     model = make_model()
     shadow = make_model()  # same weights, no DDP: this rank's local gradient
     cloud = cloudtrain.CloudDDP(model, cfg)
@@ -124,7 +124,7 @@ def _versus_reference(rank, world, config, regions, steps):
             for s, p in zip(shadow_params, params, strict=True):
                 s.copy_(p)
     cloud.verify_replicas()
-    return mismatches, params_of(model), len(cloud.comm.layouts.layouts)
+    return mismatches, params_of(model), len(cloud.comm.layouts.layouts), cloud.stats()
 
 
 @pytest.mark.parametrize(
@@ -138,12 +138,27 @@ def _versus_reference(rank, world, config, regions, steps):
 )
 def test_lossy_update_equals_the_reference_and_replicas_agree(world, config, regions):
     results = run_ranks(world, _versus_reference, config, regions, STEPS, timeout=300)
-    for mismatches, _, buckets in results:
+    for mismatches, _, buckets, _ in results:
         assert buckets == 1
         assert mismatches == [], (
             f"steps where CloudDDP's gradient differs from the reference: {mismatches[:5]}"
         )
     assert_identical([r[1] for r in results])
+
+
+def test_the_zstd_stage_changes_the_bytes_not_the_bits():
+    """zstd=True: every packet zstd-compressed where that shrinks it, received into a buffer of
+    its size without zstd and cut by its header - the same gradients as the reference replay
+    (which knows nothing of zstd), in fewer bytes than without the stage."""
+    regions = ("us", "us", "eu", "eu")
+    plain = run_ranks(4, _versus_reference, "quant4", regions, STEPS, False, timeout=300)
+    zstd = run_ranks(4, _versus_reference, "quant4", regions, STEPS, True, timeout=300)
+    for mismatches, *_ in zstd:
+        assert mismatches == [], f"zstd changed the gradients: {mismatches[:5]}"
+    assert_identical([r[1] for r in plain + zstd])
+    sent = [sum(r[3].wan_bytes_sent for r in run) for run in (plain, zstd)]
+    print(f"bytes across regions: {sent[0]} without zstd, {sent[1]} with")
+    assert 0 < sent[1] < 0.95 * sent[0], sent
 
 
 # -- DDP modes --------------------------------------------------------------------------------------
@@ -479,12 +494,12 @@ def test_config_values_are_checked():
     assert RankFailed  # the helper is importable for the tests above
 
 
-def _auto(rank, world, ladder, regions):
+def _auto(rank, world, ladder, regions, zstd=None):
     import cloudtrain
 
     cloudtrain.init()
     options = {"interval": 2} if ladder is None else {"interval": 2, "ladder": ladder}
-    cfg = CompressionConfig(regions=regions, controller=options, verify_every=7)
+    cfg = CompressionConfig(regions=regions, controller=options, verify_every=7, zstd=zstd)
     model = make_model()
     cloud = cloudtrain.CloudDDP(model, cfg, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -495,23 +510,28 @@ def _auto(rank, world, ladder, regions):
         opt.step()
     cloud.verify_replicas()
     history = cloud.comm.controller.history if cloud.comm.controller else []
-    return params_of(model), [h["levels"] for h in history], cloud.stats().buckets
+    plans = [(h["levels"], h["zstd"]) for h in history]
+    return params_of(model), plans, cloud.stats().buckets
+
+
+MIXED = (("quant", 8), ("topk-sampled>quant", (0.1, 8)), ("sign", None))
 
 
 @pytest.mark.parametrize(
-    "ladder,regions",
+    "ladder,regions,zstd",
     [
-        (
-            None,
-            "per-rank",
-        ),  # the default ladder: plans switch between the plain all-reduce and packets
-        ((("quant", 8), ("topk-sampled>quant", (0.1, 8)), ("sign", None)), ("a", "a", "b", "b")),
+        # the default ladder: plans switch between the plain all-reduce and packets
+        (None, "per-rank", None),
+        (MIXED, ("a", "a", "b", "b"), None),
+        (MIXED, ("a", "a", "b", "b"), True),  # every packet through the zstd stage
     ],
 )
-def test_auto_plans_agree_and_replicas_stay_identical(ladder, regions):
+def test_auto_plans_agree_and_replicas_stay_identical(ladder, regions, zstd):
     world = 2 if regions == "per-rank" else 4
-    results = run_ranks(world, _auto, ladder, regions, timeout=240)
+    results = run_ranks(world, _auto, ladder, regions, zstd, timeout=240)
     assert_identical([r[0] for r in results])
     plans = [r[1] for r in results]
     assert plans[0] and all(p == plans[0] for p in plans), "every rank follows rank 0's plan"
     assert results[0][2] >= 2
+    if zstd:
+        assert all(z == [True, True] for _, z in plans[0])

@@ -13,11 +13,13 @@ from cloudtrain.compress import (
     Expected,
     PacketError,
     RandomKey,
+    cut,
     from_wire,
     make_codec,
     parse_spec,
     read_header,
     to_wire,
+    wire_zstd_gain,
     zstd_gain,
 )
 from cloudtrain.compress.packet import FORMAT_VERSION
@@ -335,6 +337,42 @@ def test_zstd_gain_measures_what_the_stage_saves_and_costs():
     assert zeros.net_seconds_per_byte(bandwidth=float("inf")) < 0
     empty = zstd_gain(codec, None, torch.empty(0))
     assert (empty.ratio, empty.encode_s_per_byte) == (1.0, 0.0)
+
+
+def test_a_trial_on_a_sample_of_a_wire_measures_the_stage():
+    codec = make_codec("none")
+    wire = to_wire(codec.encode(torch.zeros(100_000)))
+    whole, sample = wire_zstd_gain(wire), wire_zstd_gain(wire, sample_bytes=4096)
+    assert whole.ratio > sample.ratio > 10  # zeros: the more of them, the higher the ratio
+    assert wire_zstd_gain(wire[:HEADER_NBYTES]).ratio == 1.0  # no payload, nothing to gain
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_packet_cut_from_a_larger_buffer_is_the_packet(spec):
+    codec, packet, plain = encoded(spec)
+    _, _, zipped = encoded(spec, zstd=1)
+    buffer = torch.full((plain.numel(),), 0xAB, dtype=torch.uint8)  # the plan's size, unzipped
+    buffer[: zipped.numel()] = zipped
+    back = from_wire(cut(buffer), codec)
+    assert torch.equal(codec.decode(back), codec.decode(packet))
+    assert torch.equal(cut(plain), plain)
+
+
+def test_a_cut_never_believes_more_than_the_buffer_holds():
+    _, _, wire = encoded("quant:4", zstd=1)
+    with pytest.raises(PacketError, match="more than the .* the plan allows"):
+        cut(wire[:-1])  # the header says one byte more than arrived
+    with pytest.raises(PacketError, match="truncated"):
+        cut(wire[:10])
+    lying = wire.clone()
+    lying[HEADER_NBYTES - 8 : HEADER_NBYTES - 4] = 0xFF  # a payload of 4 GiB
+    with pytest.raises(PacketError, match="more than"):
+        cut(lying)
+    # a shorter length than sent: cut, then refused by the checksum
+    lying = wire.clone()
+    lying[HEADER_NBYTES - 8] -= 1
+    with pytest.raises(PacketError):
+        from_wire(cut(lying), make_codec("quant"))
 
 
 def test_bench_zstd_table_covers_the_ladder():

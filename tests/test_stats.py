@@ -28,9 +28,11 @@ torch.manual_seed(0)
 def model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
-# one model all-reduced plainly (nothing to compress), one sending compressed packets
+# one model all-reduced plainly (nothing to compress), one sending compressed packets, one
+# sending them through the zstd stage (packets of sizes only their senders know)
 plain = cloudtrain.CloudDDP(model(), CompressionConfig.resolve("none", timeout_s=120))
 packed = cloudtrain.CloudDDP(model(), CompressionConfig.resolve("quant8", timeout_s=120))
+zipped = cloudtrain.CloudDDP(model(), CompressionConfig.resolve("quant8", timeout_s=120, zstd=True))
 rank = torch.distributed.get_rank()
 torch.distributed.barrier()
 print("built", flush=True)  # DDP's start-up broadcast is done: the counters are read now
@@ -38,11 +40,12 @@ sys.stdin.readline()
 for step in range(12):
     g = torch.Generator().manual_seed(100 * step + rank)
     x = torch.randn(32, 256, generator=g)
-    for m in (plain, packed):
+    for m in (plain, packed, zipped):
         m(x).square().mean().backward()
 s_plain, s_packed = plain.stats(), packed.stats()
 print(json.dumps({
     "plain": s_plain.wan_bytes_sent, "packed": s_packed.wan_bytes_sent,
+    "zipped": zipped.stats().wan_bytes_sent,
     "plain_compressed_steps": s_plain.compressed_steps,
     "packed_compressed_steps": s_packed.compressed_steps, "steps": s_packed.steps,
 }), flush=True)
@@ -92,10 +95,63 @@ def test_stats_agree_with_the_interface_counters():
     reports = [json.loads(out.strip().splitlines()[-1]) for out in outs]
     assert all(r["plain_compressed_steps"] == 0 for r in reports)  # the plain path
     assert all(r["packed_compressed_steps"] == r["steps"] == 12 for r in reports)
-    reported = sum(r["plain"] + r["packed"] for r in reports)
+    reported = sum(r["plain"] + r["packed"] + r["zipped"] for r in reports)
     crossed = sum(after[g]["tx_bytes"] - before[g]["tx_bytes"] for g in after)
-    both = [sum(r[k] for r in reports) for k in ("plain", "packed")]
-    print(f"stats(): {reported} B (plain {both[0]}, packets {both[1]}); counters: {crossed} B")
-    assert both[0] > 0 and both[1] > 0
+    each = [sum(r[k] for r in reports) for k in ("plain", "packed", "zipped")]
+    print(f"stats(): {reported} B (plain, packets, zstd packets: {each}); counters: {crossed} B")
+    assert each[0] > 0 and 0 < each[2] < each[1]
     # the counters also see TCP/IP and Ethernet headers and the control traffic: within 10 %
     assert 0.9 * crossed <= reported <= crossed, (reported, crossed)
+
+
+ZSTD_WORKER = """
+import json
+import torch
+import cloudtrain
+from cloudtrain import CompressionConfig
+
+cloudtrain.init(timeout_s=120)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
+# one rung (bf16: the controller cannot answer a slow link by compressing more), decisions
+# every 2 steps
+config = CompressionConfig(
+    controller={"interval": 2, "ladder": (("bf16", None),)}, timeout_s=120, verify_every=5
+)
+cloud = cloudtrain.CloudDDP(model, config)
+rank = torch.distributed.get_rank()
+for step in range(16):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    cloud(torch.randn(32, 256, generator=g)).square().mean().backward()
+cloud.verify_replicas()
+print(json.dumps([h["zstd"] for h in cloud.comm.controller.history]), flush=True)
+"""
+
+
+@pytest.mark.skipif(not netem.available()[0], reason=f"no WAN emulator: {netem.available()[1]}")
+@pytest.mark.timeout(300)
+def test_the_controller_turns_zstd_on_for_a_slow_link():
+    """bf16 packets of real gradients shrink under zstd by more than its CPU costs on a
+    20 Mbit/s link: the controller's trial finds it and switches the stage on for both
+    regions; replicas stay identical."""
+    name = f"zs{os.getpid() % 10000}-{uuid.uuid4().hex[:4]}"
+    try:
+        with Emulator({"us": 2, "eu": 2}, 20, name=name) as wan:
+            procs = [
+                wan.popen(
+                    r,
+                    [PY, "-c", ZSTD_WORKER],
+                    env={"RANK": str(r), "WORLD_SIZE": "4", "MASTER_PORT": "29532"},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for r in range(4)
+            ]
+            outs = [p.communicate(timeout=240) for p in procs]
+            assert [p.returncode for p in procs] == [0, 0, 0, 0], [o[1][-2000:] for o in outs]
+    finally:
+        teardown(name)
+    plans = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert all(p == plans[0] for p in plans), "every rank follows rank 0's plan"
+    assert plans[0] and plans[0][-1] == [True, True], plans[0]
