@@ -92,9 +92,9 @@ def test_any_flipped_byte_is_rejected(spec, zstd):
 @pytest.mark.parametrize("spec", SPECS)
 def test_truncated_and_overlong_packets_are_rejected(spec):
     codec, _, wire = encoded(spec, n=3000)
-    for cut in (0, 10, HEADER_NBYTES - 1, HEADER_NBYTES, wire.numel() - 1):
+    for end in (0, 10, HEADER_NBYTES - 1, HEADER_NBYTES, wire.numel() - 1):
         with pytest.raises(PacketError, match="truncated"):
-            from_wire(wire[:cut], codec)
+            from_wire(wire[:end], codec)
     with pytest.raises(PacketError, match="overlong"):
         from_wire(torch.cat([wire, torch.zeros(8, dtype=torch.uint8)]), codec)
 
