@@ -311,7 +311,8 @@ class CompressionConfig:
     zstd: bool | None = None
     """The packets' zstd stage (each packet's payload zstd-compressed where that shrinks it, for
     CPU on both ends): None - with "auto", the controller switches it on for a link where its
-    measured ratio saves more link time than it costs (off with a fixed codec); True - always;
+    measured ratio saves more link time than it costs (off with a fixed codec), and the outer
+    loop's pseudo-gradients always go through it (one packet per H steps); True - always;
     False - never."""
 
     verify_every: int = 0

@@ -396,7 +396,10 @@ class OuterLoop:
             mine = padded[topo.shard * m : (topo.shard + 1) * m].contiguous()
         summed = None
         if mine is not None:
-            plan = Plan(self.schedule.rungs)
+            # zstd unless the config says no: once per H steps, behind the inner steps, its CPU
+            # is small and the bytes it saves are what the outer loop is for
+            zstd = (self.config.zstd is not False,) * regions
+            plan = Plan(self.schedule.rungs, zstd=zstd)
             summed = self.path.exchange(mine, plan, step, f, n, where)
         self.path.gather_in_region(Shard(padded, n, m, mine), summed, where)
         return (padded[:n] / regions).to(device)

@@ -53,6 +53,18 @@ torch.distributed.barrier()
 """
 
 
+def spawn(wan: Emulator, script: str, port: int, **popen) -> list[subprocess.Popen]:
+    """The 4 ranks of `script`, each in its region's namespace, stdout piped."""
+    env = {"WORLD_SIZE": "4", "MASTER_PORT": str(port)}
+    return [
+        wan.popen(
+            r, [PY, "-c", script], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True,
+            **popen,
+        )
+        for r in range(4)
+    ]  # fmt: skip
+
+
 def test_ring_share_of_a_plain_all_reduce():
     regions = ("us", "us", "eu", "eu")
     # gloo's ring sends 2 (n-1)/n of the buffer to the next rank; ranks 1 and 3 send across
@@ -70,17 +82,7 @@ def test_stats_agree_with_the_interface_counters():
     name = f"st{os.getpid() % 10000}-{uuid.uuid4().hex[:4]}"
     try:
         with Emulator({"us": 2, "eu": 2}, 1000, name=name) as wan:
-            procs = [
-                wan.popen(
-                    r,
-                    [PY, "-c", WORKER],
-                    env={"RANK": str(r), "WORLD_SIZE": "4", "MASTER_PORT": "29531"},
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-                for r in range(4)
-            ]
+            procs = spawn(wan, WORKER, 29531, stdin=subprocess.PIPE)
             for p in procs:
                 assert p.stdout.readline().strip() == "built"
             before = wan.counters()  # start-up traffic (DDP's broadcast of the model) excluded
@@ -137,17 +139,7 @@ def test_the_controller_turns_zstd_on_for_a_slow_link():
     name = f"zs{os.getpid() % 10000}-{uuid.uuid4().hex[:4]}"
     try:
         with Emulator({"us": 2, "eu": 2}, 20, name=name) as wan:
-            procs = [
-                wan.popen(
-                    r,
-                    [PY, "-c", ZSTD_WORKER],
-                    env={"RANK": str(r), "WORLD_SIZE": "4", "MASTER_PORT": "29532"},
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-                for r in range(4)
-            ]
+            procs = spawn(wan, ZSTD_WORKER, 29532, stderr=subprocess.PIPE)
             outs = [p.communicate(timeout=240) for p in procs]
             assert [p.returncode for p in procs] == [0, 0, 0, 0], [o[1][-2000:] for o in outs]
     finally:
