@@ -51,11 +51,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "error_feedback": False,
         "outer": {"codec": "quant", "level": 8},
     },
+    "diloco-4bit": {
+        "codec": "none",
+        "error_feedback": False,
+        "outer": {"sync_every": 50, "codec": "quant", "level": 4, "outer_momentum": 0.5},
+    },
 }
 """Named configs. "cocktail" is CocktailSGD's random-k 10% -> top-k 10% of those -> 4-bit.
 "diloco" is the outer loop (OuterConfig's defaults: the pseudo-gradients' codec chosen per link);
 "diloco-sparse" sends them SparseLoCo-style (top-k 2% -> 2-bit, error feedback), "diloco-int8"
-as INTELLECT-1 does (8-bit)."""
+as INTELLECT-1 does (8-bit); "diloco-4bit" syncs every 50 steps in 4 bits with outer momentum 0.5
+(README: over 500x less traffic than DDP, within 2% of its loss on the char transformer at 2000
+steps)."""
 
 
 RESIDUAL_DTYPES = {str(d).removeprefix("torch."): d for d in feedback.RESIDUAL_DTYPES}

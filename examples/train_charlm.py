@@ -21,11 +21,12 @@ text, vocabulary and split on every machine.
 plain PyTorch DistributedDataParallel; "env" (one region per machine: no lossy compression on one
 machine), "per-rank" (every rank its own region: everything compressed), or name,name,... . The
 initial weights and the order of the global batches depend only on --seed, so runs with different
-configs see the same data in the same order. --config diloco (or diloco-sparse, diloco-int8) trains
-with the outer loop (cloudtrain.outer): --sync-every, --outer-lr, --outer-momentum, --fragments
-and --overlap set its options, and the validation loss is measured after its final sync. Rank 0 shows a progress bar, prints the validation
-loss, a sample, and a last line `RESULT {json}` (val_loss, steps, world size, config, ms/step, the
-bytes CloudDDP sent across regions).
+configs see the same data in the same order. --config diloco (or diloco-sparse, diloco-int8,
+diloco-4bit) trains with the outer loop (cloudtrain.outer): --sync-every, --outer-lr,
+--outer-momentum, --fragments and --overlap set its options, and the validation loss is measured
+after its final sync. Rank 0 shows a progress bar, prints the validation loss, a sample, and a
+last line `RESULT {json}` (val_loss, steps, world size, config, ms/step, the bytes CloudDDP sent
+across regions).
 """
 
 from __future__ import annotations

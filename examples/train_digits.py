@@ -14,9 +14,9 @@ DistributedDataParallel, to compare against. Compression only applies between re
 default --regions env all processes on one machine are one region and gradients are all-reduced
 densely; --regions per-rank puts every rank in its own region so everything crosses a "WAN" and
 is compressed (how to exercise compression on one machine); --regions us,us,eu,eu names each
-rank's region. --config diloco (or diloco-sparse, diloco-int8) trains with the outer loop:
-parameters cross regions every --sync-every steps, and the test accuracy is measured after its
-final sync.
+rank's region. --config diloco (or diloco-sparse, diloco-int8, diloco-4bit) trains with the
+outer loop: parameters cross regions every --sync-every steps, and the test accuracy is measured
+after its final sync.
 
 Every rank trains on its slice of each global batch. The model's initial weights and the order of
 the global batches depend only on --seed, so two runs with different --config (or launchers) see

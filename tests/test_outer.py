@@ -409,5 +409,7 @@ def test_presets():
     sparse = CompressionConfig.resolve("diloco-sparse").outer
     assert (sparse.codec, sparse.level, sparse.error_feedback) == ("topk>quant", (0.02, 2), True)
     assert CompressionConfig.resolve("diloco-int8").outer.level == 8
+    four = CompressionConfig.resolve("diloco-4bit").outer
+    assert (four.sync_every, four.codec, four.level, four.outer_momentum) == (50, "quant", 4, 0.5)
     assert CompressionConfig.resolve("diloco").outer == OuterConfig()
     assert all(CompressionConfig.resolve(name) for name in PRESETS)

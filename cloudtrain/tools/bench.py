@@ -58,6 +58,7 @@ METHODS = (
     "cloud-auto",
     "cloud-topk-1pct",
     "cloud-diloco",
+    "cloud-diloco-4bit",
 )
 LOOPBACK = ("compute", "ddp-loopback")
 """Methods run on loopback, beside the emulated network: the floor and the baseline."""
@@ -70,6 +71,7 @@ LABELS = {
     "cloud-auto": 'CloudDDP "auto"',
     "cloud-topk-1pct": 'CloudDDP "topk-1pct"',
     "cloud-diloco": 'CloudDDP "diloco" (outer loop)',
+    "cloud-diloco-4bit": 'CloudDDP "diloco-4bit"',
 }
 
 
