@@ -11,7 +11,8 @@ of two ways:
 - `exchange_fixed`: every sender's packet has the same size (known from the plan), so one
   all_gather moves them all;
 - `exchange_sized`: senders use different levels, so each sends its packet point-to-point to every
-  other owner of the shard, and receives theirs with the sizes the plan announced.
+  other owner of the shard, and receives theirs with the sizes the plan announced (for a zstd
+  sender, the most it may send: its packet is cut to the size its header states).
 Both return a Pending whose wait() gives the packets in region order, the sender's own included,
 so every owner of a shard decodes and sums the same bytes in the same order.
 """
@@ -136,18 +137,22 @@ def exchange_sized(
     timeout: timedelta,
     where: str = "",
     timings: dict[int, float] | None = None,
+    *,
+    shorter: bool = False,
 ) -> Pending:
     """Owners send packets of different sizes, known to all from the plan: point-to-point.
-    `wait()` returns the packets in `peers` order (this rank's own included). A sender may send
-    fewer bytes than its size says (zstd): that packet is received into a buffer of `sizes[i]`
-    bytes and must be cut to its own length by whoever reads it (`compress.cut`).
+    `wait()` returns the packets in `peers` order (this rank's own included). A zstd sender's
+    size is the most it may send (`shorter`: this rank's packet may be smaller): its packet is
+    received into a buffer of `sizes[i]` bytes and must be cut to its own length by whoever reads
+    it (`compress.cut`; gloo takes a message shorter than the buffer posted for it, never longer).
 
     With `timings`, records for every peer the seconds from the start until its packet was in
     (the controller's passive bandwidth estimate).
     """
-    if wire.numel() > sizes[me]:
+    if wire.numel() > sizes[me] or (wire.numel() < sizes[me] and not shorter):
+        allowed = f"at most {sizes[me]}" if shorter else f"{sizes[me]}"
         raise CommError(
-            f"cloudtrain: own packet is {wire.numel()} bytes, the plan allows {sizes[me]}{where}"
+            f"cloudtrain: own packet is {wire.numel()} bytes, the plan says {allowed}{where}"
         )
     received = [
         wire if i == me else torch.empty(size, dtype=torch.uint8) for i, size in enumerate(sizes)

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .compress import ErrorFeedback, RandomKey, from_wire, to_wire
+from .compress import ErrorFeedback, RandomKey, ZstdGain, from_wire, to_wire
 from .config import CompressionConfig, ControllerOptions
 from .plan import Codecs, Plan, Rung
 from .probe import probe
@@ -414,26 +414,18 @@ ZSTD_MARGIN = 1.5
 """The zstd stage goes on for a link when the link time it saves is this many times the CPU it
 costs (the CPU competes with compute; the saving is a measured ratio that varies)."""
 
-Gain = tuple[float, float, float]
-"""The zstd stage measured on a sender's packets: (ratio, encode s/byte, decode s/byte)."""
 
-
-def plan_zstd(gains: Sequence[Gain | None], links: Sequence[LinkEstimate]) -> list[bool]:
+def plan_zstd(gains: Sequence[ZstdGain | None], links: Sequence[LinkEstimate]) -> list[bool]:
     """Per sender region (pure function): the zstd stage on where its measured gain at the rung
-    it sends with saves more link time than it costs CPU, by ZSTD_MARGIN. Per byte of a packet,
-    the link saves (1 - 1/ratio) x receivers / bandwidth (the packet crosses once to each other
-    region); the sender compresses once and each receiver decompresses once, in parallel. A
-    region without a measurement at its rung goes without."""
+    it sends with saves more link time than it costs CPU, by ZSTD_MARGIN
+    (`ZstdGain.pays_below`: its packet crosses the link once to each other region; the sender
+    compresses once and each receiver decompresses once, in parallel). A region without a
+    measurement at its rung goes without."""
     receivers = max(len(links) - 1, 1)
-    out = []
-    for gain, link in zip(gains, links, strict=True):
-        if gain is None:
-            out.append(False)
-            continue
-        ratio, encode, decode = gain
-        saved = (1 - 1 / max(ratio, 1.0)) * receivers / link.bandwidth
-        out.append(saved > ZSTD_MARGIN * (encode + decode))
-    return out
+    return [
+        gain is not None and link.bandwidth < gain.pays_below(receivers, ZSTD_MARGIN)
+        for gain, link in zip(gains, links, strict=True)
+    ]
 
 
 class Controller:
@@ -461,7 +453,7 @@ class Controller:
         self.streak = [0] * regions
         self.zstd_choice = config.zstd  # None: decided per link (plan_zstd)
         self.zstd = [config.zstd is True] * regions
-        self.zstd_gains: dict[tuple[int, int], Gain] = {}  # (region, rung) -> smoothed Gain
+        self.zstd_gains: dict[tuple[int, int], ZstdGain] = {}  # (region, rung) -> smoothed
         self.staleness = 0 if config.staleness is None else config.staleness
         self.allowed_staleness: tuple[int, ...] = (
             (config.staleness,)
@@ -832,6 +824,10 @@ class Controller:
             "allreduce_s": self.allreduce_s,
             "staleness": staleness,
             "zstd": zstd,
+            # packets timed on arrival, by sender region (the passive bandwidth estimate's data)
+            "arrivals": [
+                sum(len(g["received"].get(r, [])) for g in gathered) for r in range(len(links))
+            ],
             "text": text,
         }
         return rungs, streak, bandwidth, compute_time, reprobe, record
@@ -849,22 +845,33 @@ class Controller:
         regions = len(links)
         if self.zstd_choice is not None:  # the config says
             return [self.zstd_choice] * regions
-        trials: dict[int, list[Gain]] = {}
+        trials: dict[int, list[tuple[float, float, float, int]]] = {}
         for rank, seen in enumerate(gathered):
             region = self.topo.regions.index(self.topo.rank_regions[rank])
-            trials.setdefault(region, []).extend(tuple(t) for t in seen.get("zstd", []))
+            trials.setdefault(region, []).extend(seen.get("zstd", []))
         ewma = self.options.ewma
         for region, tried in trials.items():
-            if not tried:
+            total = sum(t[3] for t in tried)
+            if total <= 0:
                 continue
-            mean = tuple(sum(t[i] for t in tried) / len(tried) for i in range(3))
+            # weighted by the bytes tried: the packets' ratio, and CPU per byte
+            mean = ZstdGain(
+                total / sum(t[3] / t[0] for t in tried),
+                sum(t[1] * t[3] for t in tried) / total,
+                sum(t[2] * t[3] for t in tried) / total,
+            )
             key = (region, ran_rungs[region])
             old = self.zstd_gains.get(key)
-            self.zstd_gains[key] = (
-                mean
-                if old is None
-                else tuple(ewma * m + (1 - ewma) * o for m, o in zip(mean, old, strict=True))
-            )
+            if old is not None:
+                mean = ZstdGain(
+                    *(
+                        ewma * m + (1 - ewma) * o
+                        for m, o in zip(
+                            dataclasses.astuple(mean), dataclasses.astuple(old), strict=True
+                        )
+                    )
+                )
+            self.zstd_gains[key] = mean
         if staleness == 0 and Plan(tuple(self.options.ladder[r] for r in rungs)).lossless:
             return [False] * regions  # one plain all-reduce: no packets to compress
         return plan_zstd([self.zstd_gains.get((r, rungs[r])) for r in range(regions)], links)
@@ -885,7 +892,9 @@ class Controller:
             "unmodelled_s": self.unmodelled_s,
             "staleness": self.staleness,
             "zstd": list(self.zstd),
-            "zstd_gains": [[r, rung, *gain] for (r, rung), gain in self.zstd_gains.items()],
+            "zstd_gains": [
+                [r, rung, *dataclasses.astuple(gain)] for (r, rung), gain in self.zstd_gains.items()
+            ],
             "next_due": self.next_due,
             "interval": self.interval,
             "pending": pending,
@@ -911,7 +920,7 @@ class Controller:
         self.staleness = int(state["staleness"])
         self.zstd = [bool(z) for z in state.get("zstd", self.zstd)]
         self.zstd_gains = {
-            (int(r), int(rung)): (ratio, encode, decode)
+            (int(r), int(rung)): ZstdGain(ratio, encode, decode)
             for r, rung, ratio, encode, decode in state.get("zstd_gains", [])
         }
         # (a state saved before decisions ran in the background: the next one is due at once)

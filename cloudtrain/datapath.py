@@ -38,11 +38,8 @@ from .collectives import (
 )
 from .compress import ErrorFeedback, Expected, RandomKey, cut, from_wire, to_wire, wire_zstd_gain
 from .plan import ZSTD_LEVEL, Codecs, Plan
-from .stats import CommStats, Observer
+from .stats import TRIAL_BYTES, CommStats, Observer
 from .topology import Topology
-
-TRIAL_BYTES = 1 << 20
-"""Payload bytes of a packet the zstd stage is tried on (encode): ~2 ms of CPU per interval."""
 
 
 @dataclass
@@ -233,17 +230,18 @@ class CrossRegion:
         codec = self.codecs(name)
         key = RandomKey(self.config.seed, step, bucket, me)
         zstd = ZSTD_LEVEL if plan.zstd_for(me) else None
-        trial = self.observer is not None and self.observer.zstd_trial_due()
         with self.stats.timed("encode"):
             if self.ef is not None:
                 packet = self.ef.encode(ef_key, x, codec, level, key, valid=valid)
             else:
                 packet = codec.encode(x, level, key)
-            if not trial:
-                return to_wire(packet, zstd)
-        wire = to_wire(packet)
-        self.observer.zstd_tried(wire_zstd_gain(wire, ZSTD_LEVEL, sample_bytes=TRIAL_BYTES))
-        return wire if zstd is None else to_wire(packet, zstd)
+            wire = to_wire(packet, zstd)
+        if self.observer is not None and self.observer.zstd_trial_due():
+            plain = wire if zstd is None else to_wire(packet)
+            sample = min(plain.numel(), TRIAL_BYTES // 4)
+            gain = wire_zstd_gain(plain, ZSTD_LEVEL, sample_bytes=sample)
+            self.observer.zstd_tried(gain, sample)
+        return wire
 
     def swap(
         self,
@@ -268,10 +266,20 @@ class CrossRegion:
         sizes = [self.codecs.wire_nbytes(rung, m, dtype) for rung in plan.senders]
         timings: dict[int, float] | None = {} if self.observer is not None else None
         pending = exchange_sized(
-            wire, sizes, peers, topo.region, group, self.timeout, where, timings
+            wire,
+            sizes,
+            peers,
+            topo.region,
+            group,
+            self.timeout,
+            where,
+            timings,
+            shorter=plan.zstd_for(topo.region),
         )
         zstd = [plan.zstd_for(r) for r in range(len(sizes))]
-        return _Received(pending, zstd, timings, arrivals) if timings or any(zstd) else pending
+        if timings is None and not any(zstd):
+            return pending
+        return _Received(pending, zstd, timings, arrivals)
 
     def accumulate(
         self,

@@ -2,10 +2,10 @@
 
 A plan gives, for every region (by region index), the (codec name, level) its shard owners send
 with, whether they zstd-compress their packets, and the staleness at which a step's exchange is
-applied. It is fixed by the config, or decided by the controller on rank 0 and broadcast, so every
-rank knows every packet's size before any collective starts - the invariant that keeps ranks
-from disagreeing about a collective's shape. The hook and the controller both import this
-module; it imports neither.
+applied. It is fixed by the config, or decided by the controller on rank 0 and broadcast, so
+every rank knows every packet's size (a zstd packet's: the most it may be) before any collective
+starts - the invariant that keeps ranks from disagreeing about a collective's shape. The hook
+and the controller both import this module; it imports neither.
 
 `Codecs` is the one place codecs are made: with the config's group size and rounding, so what the
 controller's byte model counts is what the data path sends.

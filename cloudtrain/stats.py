@@ -22,6 +22,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+TRIAL_BYTES = 1 << 20
+"""Bytes of packets the zstd stage is tried on per decision interval (a quarter of them at most
+from one packet, sampled across it): a few ms of CPU."""
+
 STAGES = ("allreduce", "intra_reduce", "encode", "exchange", "decode", "intra_gather")
 """Stages of a bucket's path, as timed in CommStats.seconds."""
 
@@ -91,22 +95,23 @@ class Observations:
     """Sender region -> (packet bytes, seconds until it arrived) of each packet received."""
     stage_s: dict[str, float] = field(default_factory=dict)
     """Seconds per step spent in each stage."""
-    zstd: list[tuple[float, float, float]] = field(default_factory=list)
-    """The zstd stage tried on this rank's own packets (ZstdGain: ratio, encode and decode
-    seconds per byte), once per interval, at the rung its region sent with."""
+    zstd: list[tuple[float, float, float, int]] = field(default_factory=list)
+    """The zstd stage tried on this rank's own packets at the rung its region sent with: ratio,
+    encode and decode seconds per byte (ZstdGain) and the bytes tried, up to TRIAL_BYTES per
+    interval."""
 
 
 class Observer:
     """Collects Observations on the training and communication threads."""
 
-    __slots__ = ("_current", "_seconds_seen", "_step_start", "_steps", "_trial")
+    __slots__ = ("_current", "_seconds_seen", "_step_start", "_steps", "_tried")
 
     def __init__(self) -> None:
         self._current = Observations()
         self._step_start: float | None = None
         self._seconds_seen: dict[str, float] = {}
         self._steps = 0
-        self._trial = True
+        self._tried = 0
 
     def step_started(self) -> None:
         """The previous step's communication is done: compute of the next one starts."""
@@ -126,12 +131,16 @@ class Observer:
             self._current.arrivals.setdefault(region, []).append((nbytes, seconds))
 
     def zstd_trial_due(self) -> bool:
-        """True once per interval: the next packet encoded tries the zstd stage too."""
-        due, self._trial = self._trial, False
-        return due
+        """Whether the next packet encoded should try the zstd stage too: until TRIAL_BYTES were
+        tried in this interval (the communication thread asks; `take` starts a new interval
+        between steps, when that thread is idle)."""
+        return self._tried < TRIAL_BYTES
 
-    def zstd_tried(self, gain: Any) -> None:
-        self._current.zstd.append((gain.ratio, gain.encode_s_per_byte, gain.decode_s_per_byte))
+    def zstd_tried(self, gain: Any, nbytes: int) -> None:
+        self._tried += nbytes
+        self._current.zstd.append(
+            (gain.ratio, gain.encode_s_per_byte, gain.decode_s_per_byte, nbytes)
+        )
 
     def take(self, stats: CommStats) -> Observations:
         """What was seen since the last call, with stage seconds per step from `stats`."""
@@ -139,10 +148,10 @@ class Observer:
         steps = max(self._steps, 1)
         now = dict(stats.seconds)
         seen.stage_s = {k: (v - self._seconds_seen.get(k, 0.0)) / steps for k, v in now.items()}
-        self._seconds_seen, self._steps, self._trial = now, 0, True
+        self._seconds_seen, self._steps, self._tried = now, 0, 0
         return seen
 
     def reset(self) -> None:
         """After a resume: stage times start again from zero."""
         self._current, self._seconds_seen, self._steps = Observations(), {}, 0
-        self._trial = True
+        self._tried = 0

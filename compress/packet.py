@@ -28,6 +28,7 @@ per link whether it pays.
 from __future__ import annotations
 
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -161,13 +162,23 @@ def _payload(parts: tuple[torch.Tensor, ...], raw_sizes: list[int]) -> torch.Ten
     return payload
 
 
-def _zstd(payload: torch.Tensor, zstd_level: int) -> bytes:
-    """One zstd frame that states its content size (from_wire requires it)."""
+_contexts = threading.local()
+
+
+def _compressor(zstd_level: int) -> Any:
+    """This thread's zstd compressor at this level (a context is not for two threads at once,
+    and making one per packet costs more than a small packet's compression)."""
     import zstandard
 
-    return zstandard.ZstdCompressor(level=zstd_level, write_content_size=True).compress(
-        payload.numpy().data
-    )
+    made = _contexts.__dict__.setdefault("compressors", {})
+    if zstd_level not in made:
+        made[zstd_level] = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True)
+    return made[zstd_level]
+
+
+def _zstd(payload: torch.Tensor, zstd_level: int) -> bytes:
+    """One zstd frame that states its content size (from_wire requires it)."""
+    return _compressor(zstd_level).compress(payload.numpy().data)
 
 
 def to_wire(packet: Packet, zstd_level: int | None = None) -> torch.Tensor:
@@ -436,11 +447,26 @@ class ZstdGain:
     decode_s_per_byte: float
     """CPU seconds a receiver spends decompressing, per byte."""
 
+    def saved_per_byte(self, receivers: int = 1) -> float:
+        """Bytes the stage keeps off the sender's link per byte of its packet, which crosses the
+        link once to each of `receivers` regions."""
+        return receivers * (1 - 1 / max(self.ratio, 1.0))
+
+    def cpu_per_byte(self) -> float:
+        """CPU seconds per byte on the exchange's path: the sender compresses once, and each
+        receiver (on its own machine, at the same time) decompresses once."""
+        return self.encode_s_per_byte + self.decode_s_per_byte
+
     def net_seconds_per_byte(self, bandwidth: float, receivers: int = 1) -> float:
-        """Link seconds the stage saves minus CPU seconds it costs, per byte sent over a link of
-        `bandwidth` bytes/s to `receivers` decoders. Positive: zstd pays on this link."""
-        saved = (1 - 1 / self.ratio) / bandwidth
-        return saved - self.encode_s_per_byte - receivers * self.decode_s_per_byte
+        """Link seconds the stage saves minus CPU seconds it costs, per byte of a packet sent
+        over a link of `bandwidth` bytes/s to `receivers` regions. Positive: zstd pays."""
+        return self.saved_per_byte(receivers) / bandwidth - self.cpu_per_byte()
+
+    def pays_below(self, receivers: int = 1, margin: float = 1.0) -> float:
+        """The link speed (bytes/s) below which the link time saved is `margin` x the CPU it
+        costs (0: never)."""
+        cpu = self.cpu_per_byte()
+        return self.saved_per_byte(receivers) / (margin * cpu) if cpu > 0 else 0.0
 
 
 def zstd_gain(
@@ -463,21 +489,26 @@ def wire_zstd_gain(
     wire: torch.Tensor, zstd_level: int = 1, *, sample_bytes: int | None = None, repeats: int = 1
 ) -> ZstdGain:
     """The zstd stage timed on a packet already on the wire without it (`to_wire(packet)`): the
-    ratio it would get and its CPU cost per byte (best of `repeats`), on the first
-    `sample_bytes` of the payload when given (a trial that costs little on a large packet)."""
+    ratio it would get and its CPU cost per byte (best of `repeats`). With `sample_bytes`, on
+    that many bytes of the payload in 16 chunks spread over it (every part of a packet - indices
+    and values - is sampled), a trial that costs little on a large packet."""
     import time
 
     import zstandard
 
     payload = wire[HEADER_NBYTES:]
-    if sample_bytes is not None:
-        payload = payload[:sample_bytes]
+    if sample_bytes is not None and payload.numel() > sample_bytes:
+        chunk = max(sample_bytes // 16, 1)
+        starts = torch.linspace(0, payload.numel() - chunk, 16).long().tolist()
+        payload = torch.cat([payload[a : a + chunk] for a in starts])
     if payload.numel() == 0:
         return ZstdGain(1.0, 0.0, 0.0)
     plain = HEADER_NBYTES + payload.numel()
     encode_s = decode_s = float("inf")
     packed = b""
-    decompressor = zstandard.ZstdDecompressor()
+    if not hasattr(_contexts, "decompressor"):
+        _contexts.decompressor = zstandard.ZstdDecompressor()
+    decompressor = _contexts.decompressor
     for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
         packed = _zstd(payload, zstd_level)

@@ -8,6 +8,7 @@ import os
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 from distributed import run_ranks
 
@@ -69,7 +70,7 @@ def test_a_dead_peer_is_a_comm_error_naming_stage_peers_and_where():
     assert seconds < 6 + 5
 
 
-def _wrong_size(rank, world):
+def _sized(rank, world, nbytes, shorter):
     import torch.distributed as dist
 
     import cloudtrain
@@ -77,15 +78,32 @@ def _wrong_size(rank, world):
 
     cloudtrain.init(timeout_s=30)
     group = dist.new_group([0, 1], backend="gloo")
+    wire = torch.full((nbytes,), rank + 1, dtype=torch.uint8)
     try:
-        exchange_sized(
-            torch.zeros(9, dtype=torch.uint8), [8, 8], (0, 1), rank, group, timedelta(seconds=5)
+        pending = exchange_sized(
+            wire, [8, 8], (0, 1), rank, group, timedelta(seconds=5), shorter=shorter
         )
     except CommError as e:
         return str(e)
-    return None
+    return [w[:nbytes].tolist() for w in pending.wait()]
 
 
-def test_own_packet_larger_than_the_plan_allows_is_refused_before_sending():
-    for text in run_ranks(2, _wrong_size):
-        assert text is not None and "own packet is 9 bytes, the plan allows 8" in text
+@pytest.mark.parametrize(
+    "nbytes,shorter,message",
+    [
+        (9, False, "own packet is 9 bytes, the plan says 8"),
+        (7, False, "own packet is 7 bytes, the plan says 8"),  # only zstd packets may be shorter
+        (9, True, "own packet is 9 bytes, the plan says at most 8"),
+    ],
+)
+def test_own_packet_of_another_size_than_the_plan_is_refused_before_sending(
+    nbytes, shorter, message
+):
+    for text in run_ranks(2, _sized, nbytes, shorter):
+        assert isinstance(text, str) and message in text
+
+
+def test_a_zstd_packet_shorter_than_its_plan_arrives_in_its_plans_buffer():
+    # each rank sends 7 bytes where the plan allows 8: gloo fills the first 7 of the buffer
+    for received in run_ranks(2, _sized, 7, True):
+        assert received == [[1] * 7, [2] * 7]

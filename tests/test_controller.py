@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from cloudtrain.compress import ZstdGain
 from cloudtrain.config import LADDER, ControllerOptions
 from cloudtrain.controller import (
     LinkEstimate,
@@ -254,21 +255,19 @@ def test_bad_arguments_are_rejected():
 
 def test_zstd_goes_on_where_the_link_time_it_saves_outweighs_its_cpu():
     # bf16 packets as measured here: 1.18x smaller for ~1.3 ns/byte to compress, 1.2 to undo
-    bf16 = (1.18, 1.3e-9, 1.2e-9)
+    bf16 = ZstdGain(1.18, 1.3e-9, 1.2e-9)
     slow, fast = LinkEstimate(50 * MBIT, 0.08), LinkEstimate(10_000 * MBIT, 0.001)
     assert plan_zstd([bf16, bf16], [slow, fast]) == [True, False]
     # saved per byte = (1 - 1/ratio) x receivers / bandwidth against 1.5 x the CPU per byte
-    at = 1 / (1.5 * 2.5e-9 / (1 - 1 / 1.18))  # bytes/s where the two meet
-    assert plan_zstd([bf16, bf16], [LinkEstimate(0.9 * at, 0), LinkEstimate(1.1 * at, 0)]) == [
-        True,
-        False,
-    ]
+    at = (1 - 1 / 1.18) / (1.5 * 2.5e-9)  # bytes/s where the two meet
+    assert bf16.pays_below(1, 1.5) == pytest.approx(at)
+    edge = [LinkEstimate(0.9 * at, 0), LinkEstimate(1.1 * at, 0)]
+    assert plan_zstd([bf16, bf16], edge) == [True, False]
     # three regions: each packet crosses twice, so the stage pays on a faster link
-    three = [LinkEstimate(1.5 * at, 0)] * 3
-    assert plan_zstd([bf16] * 3, three) == [True] * 3
+    assert plan_zstd([bf16] * 3, [LinkEstimate(1.5 * at, 0)] * 3) == [True] * 3
     # nothing to gain (a ratio of 1: the sender keeps the raw payload), or no measurement at
     # the rung the region sends with: no stage
-    assert plan_zstd([(1.0, 1e-9, 1e-9), None], [slow, slow]) == [False, False]
+    assert plan_zstd([ZstdGain(1.0, 1e-9, 1e-9), None], [slow, slow]) == [False, False]
 
 
 def test_passive_bandwidth_ignores_waiting_and_tiny_packets():

@@ -511,7 +511,8 @@ def _auto(rank, world, ladder, regions, zstd=None):
     cloud.verify_replicas()
     history = cloud.comm.controller.history if cloud.comm.controller else []
     plans = [(h["levels"], h["zstd"]) for h in history]
-    return params_of(model), plans, cloud.stats().buckets
+    arrivals = [sum(h["arrivals"]) for h in history]
+    return params_of(model), plans, cloud.stats().buckets, arrivals
 
 
 MIXED = (("quant", 8), ("topk-sampled>quant", (0.1, 8)), ("sign", None))
@@ -533,5 +534,8 @@ def test_auto_plans_agree_and_replicas_stay_identical(ladder, regions, zstd):
     plans = [r[1] for r in results]
     assert plans[0] and all(p == plans[0] for p in plans), "every rank follows rank 0's plan"
     assert results[0][2] >= 2
+    # packets that crossed regions were timed for the controller's bandwidth estimate
+    compressed = [i for i, (levels, _) in enumerate(plans[0]) if levels[0] != "no compression"]
+    assert any(results[0][3][i + 1] for i in compressed[:-1]), (plans[0], results[0][3])
     if zstd:
         assert all(z == [True, True] for _, z in plans[0])
