@@ -410,6 +410,12 @@ def passive_bandwidth(
     return measured
 
 
+def _smoothed(new: float, old: float | None, weight: float) -> float:
+    """An exponentially weighted moving average's next value (`new` itself when there is no old
+    one yet)."""
+    return new if old is None else weight * new + (1 - weight) * old
+
+
 ZSTD_MARGIN = 1.5
 """The zstd stage goes on for a link when the link time it saves is this many times the CPU it
 costs (the CPU competes with compute; the saving is a measured ratio that varies)."""
@@ -555,7 +561,10 @@ class Controller:
     def plan(self) -> Plan:
         """The plan of the current rungs and pipeline depth."""
         zstd = tuple(self.zstd) if any(self.zstd) else ()
-        return Plan(tuple(self.options.ladder[r] for r in self.rungs), self.staleness, zstd)
+        return self._plan_of(self.rungs, self.staleness, zstd)
+
+    def _plan_of(self, rungs: Sequence[int], staleness: int = 0, zstd: tuple = ()) -> Plan:
+        return Plan(tuple(self.options.ladder[r] for r in rungs), staleness, zstd)
 
     def due(self, step: int) -> bool:
         """Whether `step` starts with a decision (all ranks then call `decide`)."""
@@ -652,10 +661,8 @@ class Controller:
         # the first steps (DDP's bucket rebuild, first allocations, a pipeline filling) are not
         # the time of the plan they ran
         if step_s is not None and step > self.FIRST_DECISION + self.options.interval:
-            took = step_s
             old = self.measured_steps.get(now)
-            if old is not None:
-                took = self.options.ewma * took + (1 - self.options.ewma) * old[0]
+            took = _smoothed(step_s, None if old is None else old[0], self.options.ewma)
             self.measured_steps[now] = (took, bandwidth, compute_time)
         self.measured_steps = {
             plan: m
@@ -711,17 +718,13 @@ class Controller:
             old = bandwidth[region]
             # a drop counts at once (the link is slow now); a rise is smoothed
             rise = old is not None and measured > old
-            bandwidth[region] = opts.ewma * measured + (1 - opts.ewma) * old if rise else measured
+            bandwidth[region] = _smoothed(measured, old if rise else None, opts.ewma)
         # what the dense parts cost per step (rank 0's view), where this interval ran them -
         # not in the first steps, whose collectives also set up connections and buffers
         stages = gathered[0].get("stage_seconds", {}) if warm else {}
         intra = stages.get("intra_reduce", 0.0) + stages.get("intra_gather", 0.0)
         if intra > 0:
-            self.intra_s = (
-                intra
-                if self.intra_s is None
-                else opts.ewma * intra + (1 - opts.ewma) * self.intra_s
-            )
+            self.intra_s = _smoothed(intra, self.intra_s, opts.ewma)
         if probed is not None:
             self.unmeasured = [0] * len(bandwidth)
         reprobe = max(self.unmeasured) >= self.STALE_DECISIONS
@@ -729,10 +732,9 @@ class Controller:
         # holds until the links are found much faster than when it was measured
         slowest = min((b for b in bandwidth if b is not None), default=MAX_BANDWIDTH)
         if stages.get("allreduce"):
-            took, old = stages["allreduce"], self.allreduce_s
-            if old is not None:  # smoothed: one slow interval is noise, a drop shows at once
-                took = opts.ewma * took + (1 - opts.ewma) * old
-            self.allreduce_s, self.allreduce_bw = took, slowest
+            # smoothed: one slow interval is noise, a drop shows at once
+            self.allreduce_s = _smoothed(stages["allreduce"], self.allreduce_s, opts.ewma)
+            self.allreduce_bw = slowest
         elif self.allreduce_s is not None and slowest > 2 * self.allreduce_bw:
             self.allreduce_s = None
         # compressed rungs also pay for the reduction inside regions (measured once they ran,
@@ -746,7 +748,7 @@ class Controller:
         ]
         compressed = sum(stages.get(k, 0.0) for k in self.COMPRESSED_STAGES)
         ran_rungs = ran[0]
-        if compressed > 0 and not Plan(tuple(opts.ladder[r] for r in ran_rungs)).lossless:
+        if compressed > 0 and not self._plan_of(ran_rungs).lossless:
             cpu, receivers = self.cpu_seconds(shard_numels), max(len(links) - 1, 1)
             model = overhead + max(
                 self.codecs.step_nbytes(opts.ladder[r], shard_numels, receivers) / link.bandwidth
@@ -754,11 +756,7 @@ class Controller:
                 for r, link in zip(ran_rungs, links, strict=True)
             )
             unmodelled = max(compressed - model, 0.0)
-            self.unmodelled_s = (
-                unmodelled
-                if self.unmodelled_s is None
-                else opts.ewma * unmodelled + (1 - opts.ewma) * self.unmodelled_s
-            )
+            self.unmodelled_s = _smoothed(unmodelled, self.unmodelled_s, opts.ewma)
         lossy = overhead + (self.unmodelled_s or 0.0)
         extra = [0.0 if name == "none" else lossy for name, _ in opts.ladder]
         depths = useful_depths(links, compute_time, opts, self.allowed_staleness)
@@ -845,12 +843,9 @@ class Controller:
         regions = len(links)
         if self.zstd_choice is not None:  # the config says
             return [self.zstd_choice] * regions
-        trials: dict[int, list[tuple[float, float, float, int]]] = {}
-        for rank, seen in enumerate(gathered):
-            region = self.topo.regions.index(self.topo.rank_regions[rank])
-            trials.setdefault(region, []).extend(seen.get("zstd", []))
         ewma = self.options.ewma
-        for region, tried in trials.items():
+        for region, ranks in enumerate(self.topo.members):
+            tried = [t for rank in ranks for t in gathered[rank].get("zstd", [])]
             total = sum(t[3] for t in tried)
             if total <= 0:
                 continue
@@ -865,14 +860,14 @@ class Controller:
             if old is not None:
                 mean = ZstdGain(
                     *(
-                        ewma * m + (1 - ewma) * o
+                        _smoothed(m, o, ewma)
                         for m, o in zip(
                             dataclasses.astuple(mean), dataclasses.astuple(old), strict=True
                         )
                     )
                 )
             self.zstd_gains[key] = mean
-        if staleness == 0 and Plan(tuple(self.options.ladder[r] for r in rungs)).lossless:
+        if staleness == 0 and self._plan_of(rungs).lossless:
             return [False] * regions  # one plain all-reduce: no packets to compress
         return plan_zstd([self.zstd_gains.get((r, rungs[r])) for r in range(regions)], links)
 
