@@ -127,6 +127,7 @@ for step in range(16):
     cloud(torch.randn(32, 256, generator=g)).square().mean().backward()
 cloud.verify_replicas()
 print(json.dumps([h["zstd"] for h in cloud.comm.controller.history]), flush=True)
+cloud.comm_state_dict()  # waits for the controller's decision still on its way
 torch.distributed.destroy_process_group()  # or gloo may abort at exit (PyTorch's contract)
 """
 
