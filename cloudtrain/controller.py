@@ -638,6 +638,13 @@ class Controller:
                 record["step"],
             )
 
+    def settle(self) -> None:
+        """Wait until the decision on its way has crossed (its gather and broadcast, which every
+        rank has started, complete); it still takes effect at the next due step and its error,
+        if any, is raised there. Its collectives must not meet destroyed process groups."""
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending])
+
     def close(self) -> None:
         self._pool.shutdown(wait=False)
 

@@ -279,8 +279,11 @@ class CommState:
             self._thread.start()
 
     def _run(self) -> None:
-        if torch.cuda.is_available():
-            self.stream = torch.cuda.Stream()
+        device = self.params[0].device if self.params else None
+        if device is not None and device.type == "cuda":
+            # a new thread starts on cuda:0; this rank's device may be another (local_rank > 0)
+            torch.cuda.set_device(device)
+            self.stream = torch.cuda.Stream(device)
         while True:
             job = self._queue.get()
             if job is None:
@@ -300,6 +303,11 @@ class CommState:
             except BaseException as e:
                 self.error = e
                 job.future.set_exception(e)
+
+    def settle(self) -> None:
+        """The controller's decision on its way crosses before this returns."""
+        if self.controller is not None:
+            self.controller.settle()
 
     def close(self) -> None:
         if self._thread is not None and self._thread.is_alive():

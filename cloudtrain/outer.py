@@ -510,6 +510,11 @@ class OuterLoop:
             )
         self._times, self._last = [], time.perf_counter()
 
+    def settle(self) -> None:
+        """Wait until the exchanges in flight have crossed (every rank has started them); they
+        are still merged at their steps, and an error is raised there."""
+        concurrent.futures.wait([flight.future for flight in self.flights.values()])
+
     def close(self) -> None:
         self._handle.remove()
         self._pool.shutdown(wait=False)

@@ -127,6 +127,9 @@ def main() -> None:
             "ratio_to_ddp": ratios,
         }
         print("RESULT " + json.dumps(result), flush=True)
+    for model in models:
+        if isinstance(model, cloudtrain.CloudDDP):
+            model.close()  # its background collectives finish before the groups go
     dist.destroy_process_group()
 
 

@@ -139,6 +139,8 @@ def main() -> None:
             "host": os.uname().nodename,
         }
         print("RESULT " + json.dumps(result), flush=True)
+    if cloud:
+        model.close()  # its background collectives finish before the groups go
     dist.destroy_process_group()
 
 

@@ -48,6 +48,11 @@ def missing_parts(parts: set[str]) -> list[str]:
         state, why = _native_state()
         if "native" in parts and not state["native"]:
             problems.append(f"native: cloudtrain._C does not load: {why or 'no reason given'}")
+        if "native" in parts and os.environ.get("CLOUDTRAIN_NO_NATIVE") == "1":
+            problems.append(
+                "native: CLOUDTRAIN_NO_NATIVE=1 turns the native ops off in this run, so their "
+                "tests would skip; unset it, or leave native out of CLOUDTRAIN_REQUIRE"
+            )
         if state["gpu"] and not state["cuda_kernels"]:
             problems.append(
                 "cuda: this machine has a CUDA device but the CUDA kernels are not built: "

@@ -1,6 +1,6 @@
 """`cloudtrain bench` runs end to end (briefly) and reports what crossed the emulated WAN.
 
-Timing targets are the benchmark's business (see the closing notes' figures), not a test's: here
+Timing targets are the benchmark's business (README: the bench's figures), not a test's: here
 only what does not depend on a noisy machine - bytes on the shaped links, the report's parts, and
 that the emulated network (with its round-trip time) was used wherever the machine allows it: as
 root the bench never drops to loopback.

@@ -79,7 +79,7 @@ def test_budget_is_bandwidth_times_hidden_time():
         assert budget == pytest.approx(100 * MBIT * 0.5 * 0.4)
 
 
-# -- latency before compression (issue: at 80 ms "auto" compressed ever harder) ---------------
+# -- latency before compression (at 80 ms "auto" once compressed ever harder) ---------------
 
 ALL_DEPTHS = tuple(range(5))
 MLP = [1_650_000 // 2]  # the bench's MLP, one bucket, 2 shards

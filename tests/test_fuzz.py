@@ -1,7 +1,7 @@
-"""Fuzzing the packet decoder: 20,000 damaged or hostile packets of every codec, in a child process
+"""Fuzzing the packet decoder: 100,000 damaged or hostile packets of every codec, in a child process
 that measures its own peak memory. Every failure must be a PacketError, nothing may decode to a
 tensor other than the one that was sent, and no packet may make the receiver allocate more than
-it expects (issue 13 item 3).
+it expects.
 
     python tests/test_fuzz.py [count] [seed]     # the child on its own: prints its figures
 
@@ -37,7 +37,7 @@ from cloudtrain.compress import (
     to_wire,
 )
 
-COUNT = 20_000
+COUNT = 100_000
 SPECS = [
     "none",
     "fp16",
@@ -161,18 +161,19 @@ def fuzz(count: int = COUNT, seed: int = 0) -> dict:
     rng = random.Random(seed)
     originals = make_originals()
     hostile = make_hostile()
+    # warm up every decode path before the baseline, so lazy initialisation is not counted
+    for codec, data, expect, _ in originals:
+        codec.decode(from_wire(data, codec, expect=expect))
+    # a splice can rebuild another valid packet exactly: that one's tensor is the right answer
+    sent = {data: decoded for _, data, _, decoded in originals}
+    base_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # a high-water mark: taken
+    # before any hostile packet, so what one of them allocates counts as growth
     for codec, data, expect in hostile:  # the hostile ones must all be refused, every time
         try:
             from_wire(data, codec, expect=expect)
         except PacketError:
             continue
         raise AssertionError(f"hostile packet accepted: {HEADER.unpack(data[:HEADER_NBYTES])}")
-    # warm up every decode path before the baseline, so lazy initialisation is not counted
-    for codec, data, expect, _ in originals:
-        codec.decode(from_wire(data, codec, expect=expect))
-    # a splice can rebuild another valid packet exactly: that one's tensor is the right answer
-    sent = {data: decoded for _, data, _, decoded in originals}
-    base_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     outcomes = {"rejected": 0, "accepted": 0}
     failures, wrong, by_kind = [], [], {}
     start = time.perf_counter()
@@ -256,7 +257,8 @@ def test_fuzzed_packets_raise_packet_error_or_decode_exactly():
     print(figures)  # shown with pytest -s: the figures of the closing note
     assert figures["failures"] == [], "every failure must be a PacketError"
     assert figures["wrong"] == [], "nothing may decode to a tensor other than the one sent"
-    assert figures["peak_memory_growth_mb"] < 200, figures
+    # below the smallest bomb (64 MiB of zeros in a 2 KiB zstd frame): one decompressed shows
+    assert figures["peak_memory_growth_mb"] < 32, figures
     assert figures["rejected"] > 0.7 * COUNT and figures["accepted"] > 0  # both paths ran
     assert figures["by_kind"].get("hostile", 0) > 0.02 * COUNT
 

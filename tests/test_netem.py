@@ -131,7 +131,7 @@ def test_pair_rtt_is_the_mean_of_the_regions_shares():
     one = WanSpec({"us": 1, "eu": 1, "asia": 1}, dict.fromkeys(("us", "eu", "asia"), 100.0), 80)
     assert one.pair_rtt_ms("us", "eu") == one.pair_rtt_ms("eu", "asia") == 80
     assert one.link_delay_ms("us") == 20 and one.pair_rtt_ms("us", "us") == 0
-    # us-eu 80, us-asia 180, eu-asia 230 ms (DESIGN's published figures) as shares
+    # us-eu 80, us-asia 180, eu-asia 230 ms (the profiles' figures) as shares
     shares = {"us": 30.0, "eu": 130.0, "asia": 330.0}
     spec = WanSpec(dict.fromkeys(shares, 1), dict.fromkeys(shares, 100.0), shares)
     pairs = (("us", "eu"), ("us", "asia"), ("eu", "asia"))

@@ -267,7 +267,8 @@ def zstd_frame(declared: int | None, body: bytes = b"\x01\x00\x00") -> bytes:
 
 
 def test_hostile_headers_raise_packet_error_without_allocating():
-    """The attacks of issue 13 item 3, each refused before anything is allocated for it."""
+    """Hostile headers (a step past 2**63, a tiny frame claiming 1 TiB, a random-k packet claiming
+    2**28 elements), each refused before anything is allocated for it."""
     none = make_codec("none")
     _, _, small = encoded("none", n=64)
     # a step that no RandomKey holds
@@ -377,6 +378,15 @@ def test_a_cut_never_believes_more_than_the_buffer_holds():
 
 def test_bench_zstd_table_covers_the_ladder():
     from cloudtrain.compress.bench import LADDER, ZSTD_LEVELS, bench_zstd
+    from cloudtrain.config import LADDER as CONTROLLERS
+
+    def spec(name: str, level) -> str:  # ("topk>quant", (0.1, 8)) -> "topk:0.1>quant:8"
+        levels = level if isinstance(level, tuple) else (level,)
+        return ">".join(
+            n if lv is None else f"{n}:{lv}" for n, lv in zip(name.split(">"), levels, strict=True)
+        )
+
+    assert [spec(n, lv) for n, lv in CONTROLLERS] == LADDER, "the bench's copy of the ladder"
 
     x = torch.randn(20_000, generator=torch.Generator().manual_seed(0))
     rows = bench_zstd(x, LADDER, repeats=1)

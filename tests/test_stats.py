@@ -1,5 +1,5 @@
-"""CloudDDP.stats() against the truth: the bytes the emulated WAN's interface counters saw cross
-regions, on a run that takes both paths (plain all-reduce and compressed packets)."""
+"""CloudDDP over the emulated WAN: stats() against the truth (the bytes the interface counters saw
+cross regions, on a run that takes both paths), zstd switched on for a slow link, close()."""
 
 from __future__ import annotations
 
@@ -127,8 +127,8 @@ for step in range(16):
     cloud(torch.randn(32, 256, generator=g)).square().mean().backward()
 cloud.verify_replicas()
 print(json.dumps([h["zstd"] for h in cloud.comm.controller.history]), flush=True)
-cloud.comm_state_dict()  # waits for the controller's decision still on its way
-torch.distributed.destroy_process_group()  # or gloo may abort at exit (PyTorch's contract)
+cloud.close()  # the controller's decision on its way crosses before the groups go
+torch.distributed.destroy_process_group()
 """
 
 
@@ -151,3 +151,49 @@ def test_the_controller_turns_zstd_on_for_a_slow_link():
     plans = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert all(p == plans[0] for p in plans), "every rank follows rank 0's plan"
     assert plans[0] and plans[0][-1] == [True, True], plans[0]
+
+
+CLOSE_WORKER = """
+import json
+import torch
+import cloudtrain
+from cloudtrain import CompressionConfig
+
+cloudtrain.init(timeout_s=120)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
+cloud = cloudtrain.CloudDDP(model, CompressionConfig(controller={"interval": 2}, timeout_s=120))
+controller, rank = cloud.comm.controller, torch.distributed.get_rank()
+for step in range(60):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    cloud(torch.randn(32, 256, generator=g)).square().mean().backward()
+    # stop right after a due step: its decision (a gather and a broadcast across the 100 ms
+    # round trip, several of them) is still on its way
+    if step >= 8 and controller._pending is not None and not controller._pending.done():
+        break
+in_flight = not controller._pending.done()
+cloud.close()
+print(json.dumps({"step": step, "in_flight": in_flight, "settled": controller._pending.done()}))
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not netem.available()[0], reason=f"no WAN emulator: {netem.available()[1]}")
+@pytest.mark.timeout(300)
+def test_close_lets_a_decision_in_flight_cross_before_the_groups_go():
+    """A script that destroys its process groups right after a due step, with the controller's
+    decision still crossing regions: close() waits for it, and every rank exits cleanly (without
+    it, gloo aborted all four ranks in teardown)."""
+    name = f"cl{os.getpid() % 10000}-{uuid.uuid4().hex[:4]}"
+    try:
+        with Emulator({"us": 2, "eu": 2}, 1000, rtt_ms=100, name=name) as wan:
+            procs = spawn(wan, CLOSE_WORKER, 29533, stderr=subprocess.PIPE)
+            outs = [p.communicate(timeout=240) for p in procs]
+            assert [p.returncode for p in procs] == [0, 0, 0, 0], [
+                o[0][-2000:] + o[1][-2000:] for o in outs
+            ]
+    finally:
+        teardown(name)
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert all(r["in_flight"] for r in reports), reports  # the case this is about happened
+    assert all(r["settled"] for r in reports), reports

@@ -201,6 +201,8 @@ def worker(args: argparse.Namespace) -> int:
     if args.method != "compute":
         import torch.distributed as dist
 
+        if isinstance(ddp, cloudtrain.CloudDDP):
+            ddp.close()  # its background collectives (a decision on its way) finish
         dist.barrier()  # every rank's last collective is done
         # Leave without tearing gloo down: now and then one rank of four was killed by SIGABRT
         # in process-group teardown at exit (plain DDP's PowerSGD run as well as CloudDDP's),
