@@ -1,6 +1,8 @@
 """The outer loop (cloudtrain.outer) on real processes over gloo: the outer copy bit-identical
 everywhere, the regions training apart between syncs, equal replicas after finish(), exact resume
-with a fragment in flight, DDP's parameters at H = 1, the schedule choice, and every bad option."""
+with a fragment in flight, DDP's parameters at H = 1, fragments + overlap + compressed
+pseudo-gradients with error feedback + Nesterov against a plain replay of the algorithm, the
+schedule choice, and every bad option."""
 
 from __future__ import annotations
 
@@ -257,6 +259,139 @@ def test_h1_plain_sgd_outer_averaging_gives_ddps_parameters():
     for worst, moved in run_ranks(4, _versus_ddp, 6, timeout=300):
         assert moved > 1e-2  # training moved the parameters: the comparison means something
         assert worst < 1e-6, f"outer loop at H=1 differs from DDP by {worst}"
+
+
+# -- the outer step against a replay ----------------------------------------------------------
+
+REPLAYED = OuterConfig(
+    sync_every=4,
+    fragments=2,
+    overlap=1,
+    codec="topk",  # deterministic (no rounding noise): the replay can send the same values
+    level=0.1,
+    outer_lr=0.7,
+    outer_momentum=0.9,
+)
+
+
+def inner_optimizer(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _replayed(rank, world, steps):
+    import cloudtrain
+
+    cloudtrain.init()
+    model = make_model()
+    opt = inner_optimizer(model.parameters())
+    ddp = cloudtrain.CloudDDP(
+        model, CompressionConfig(regions="a,a,b,b", outer=REPLAYED), optimizer=opt
+    )
+    for step in range(steps):
+        train_step(ddp, opt, rank, step)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, torch.cat(ddp.outer.global_)
+
+
+def outer_replay(steps: int, regions=((0, 1), (2, 3))) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Streaming DiLoCo written out plainly, in one process: each region's model trains on the
+    mean of its ranks' gradients with its own inner SGD; fragment f (of F, the parameters laid
+    end to end and cut in F) is sent at the inner steps t with (t - f H/F) mod H = 0: its
+    pseudo-gradient (outer copy - local), cut into one shard per rank of the region, top-k 10 %
+    with error feedback per (region, shard); the regions' decoded shards summed in region order
+    and divided by the number of regions; merged `overlap` steps later by Nesterov SGD on the
+    outer copy, the local parameters becoming it plus what the region learnt since the send."""
+    cfg = REPLAYED
+    codec = CompressionConfig().make_codec("topk")
+    models = [make_model() for _ in regions]
+    opts = [inner_optimizer(m.parameters()) for m in models]
+    params = [list(m.parameters()) for m in models]
+
+    def flat(r):
+        return torch.cat([p.detach().reshape(-1) for p in params[r]]).clone()
+
+    n = flat(0).numel()
+    bounds = [f * n // cfg.fragments for f in range(cfg.fragments + 1)]
+    outer = [flat(0)[bounds[f] : bounds[f + 1]].clone() for f in range(cfg.fragments)]
+    momentum: list[torch.Tensor | None] = [None] * cfg.fragments
+    shards = len(regions[0])
+    residual: dict = {}
+    flights: dict[int, tuple] = {}  # fragment -> (merge step, mean, each region's local at send)
+
+    def write(r, f, values):
+        full = flat(r)
+        full[bounds[f] : bounds[f + 1]] = values
+        at = 0
+        with torch.no_grad():
+            for p in params[r]:
+                p.copy_(full[at : at + p.numel()].view_as(p))
+                at += p.numel()
+
+    for step in range(steps):
+        for r, ranks in enumerate(regions):
+            grads = []
+            for rank in ranks:
+                x, y = batch(rank, step)
+                models[r].zero_grad()
+                torch.nn.functional.cross_entropy(models[r](x), y).backward()
+                grads.append([p.grad.clone() for p in params[r]])
+            for i, p in enumerate(params[r]):  # the region's all-reduce of gradients / k
+                p.grad = sum(g[i] * (1.0 / len(ranks)) for g in grads)
+            opts[r].step()
+        t = step + 1
+        for f in sorted(flights):
+            merge, mean, at_send = flights[f]
+            if merge != t:
+                continue
+            del flights[f]
+            buf = mean.clone() if momentum[f] is None else momentum[f] * cfg.outer_momentum + mean
+            momentum[f] = buf
+            outer[f] = outer[f] - cfg.outer_lr * (mean + cfg.outer_momentum * buf)
+            for r in range(len(regions)):
+                now = flat(r)[bounds[f] : bounds[f + 1]]
+                write(r, f, outer[f] + (now - at_send[r]))
+        for f in range(cfg.fragments):
+            if (t - f * cfg.sync_every // cfg.fragments) % cfg.sync_every:
+                continue
+            size = bounds[f + 1] - bounds[f]
+            m = -(-size // shards)
+            summed = torch.zeros(shards * m)
+            at_send = [flat(r)[bounds[f] : bounds[f + 1]] for r in range(len(regions))]
+            for r in range(len(regions)):
+                delta = torch.cat([outer[f] - at_send[r], torch.zeros(shards * m - size)])
+                for s in range(shards):
+                    acc = delta[s * m : (s + 1) * m] + residual.get((f, r, s), 0.0)
+                    sent = codec.decode(codec.encode(acc, cfg.level))
+                    residual[f, r, s] = acc - sent
+                    summed[s * m : (s + 1) * m] += sent
+            flights[f] = (t + cfg.overlap, summed[:size] / len(regions), at_send)
+    return [flat(r) for r in range(len(regions))], torch.cat(outer)
+
+
+def test_streaming_outer_steps_equal_a_replay_of_the_algorithm():
+    """Fragments, overlap, top-k with error feedback on the pseudo-gradients and Nesterov
+    momentum with lr 0.7: every rank's parameters and the outer copy equal the plain replay."""
+    steps = 14  # fragment 0 sends at 4, 8, 12, fragment 1 at 2, 6, 10, 14; merges one later
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank computes its gradients
+    try:
+        local, outer = outer_replay(steps)
+    finally:
+        torch.set_num_threads(threads)
+    results = run_ranks(4, _replayed, steps, timeout=300)
+    start = torch.cat([p.detach().reshape(-1) for p in make_model().parameters()])
+    assert (
+        outer - start
+    ).abs().max() > 1e-2  # outer steps moved it: the comparison means something
+    for rank, (flat, global_) in enumerate(results):
+        assert torch.allclose(global_, outer, rtol=1e-5, atol=1e-6), (
+            f"rank {rank}: outer copy differs by {(global_ - outer).abs().max()}"
+        )
+        expected = local[rank // 2]
+        assert torch.allclose(flat, expected, rtol=1e-5, atol=1e-6), (
+            f"rank {rank}: parameters differ by {(flat - expected).abs().max()}"
+        )
+    assert not torch.equal(results[0][0], results[2][0])  # the regions trained apart since
 
 
 def _auto(rank, world, steps):
