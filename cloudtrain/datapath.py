@@ -34,6 +34,7 @@ from .collectives import (
     exchange_fixed,
     exchange_sized,
     finish,
+    reduce_scatter_direct,
     reduce_scatter_single,
 )
 from .compress import ErrorFeedback, Expected, RandomKey, cut, from_wire, to_wire, wire_zstd_gain
@@ -187,7 +188,12 @@ class CrossRegion:
         members = topo.members[topo.region]
         group = topo.groups.get(f"region{topo.region}")
         with self.stats.timed("intra_reduce"):
-            if len(members) == shards and shards > 1:
+            if len(members) == shards and shards > 1 and not buf.is_cuda:
+                mine = buf.new_empty(m)  # gloo: point-to-point beats its reduce_scatter
+                reduce_scatter_direct(
+                    mine, padded, members, topo.local_index, group, self.timeout, where
+                )
+            elif len(members) == shards and shards > 1:
                 mine = buf.new_empty(m)
                 finish(
                     "intra-region reduce-scatter",
