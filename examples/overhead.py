@@ -78,7 +78,13 @@ def main() -> None:
     if not ({"RANK", "HOROVOD_RANK"} & set(os.environ)) and args.nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # a thread per process, as torchrun would
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        launch += [f"--nproc-per-node={args.nproc}", __file__, *sys.argv[1:]]
+        rest, argv = [], iter(sys.argv[1:])
+        for a in argv:  # --nproc is this launch's (torchrun would take it for --nproc-per-node)
+            if a == "--nproc":
+                next(argv, None)
+            elif not a.startswith("--nproc="):
+                rest.append(a)
+        launch += [f"--nproc-per-node={args.nproc}", __file__, *rest]
         os.execv(sys.executable, launch)
 
     cloudtrain.init()
