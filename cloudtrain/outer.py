@@ -191,6 +191,18 @@ class _Flight:
     future: concurrent.futures.Future
 
 
+def _cpu_copy(obj: Any) -> Any:
+    """`obj` (an optimizer's state dict) with every tensor copied to the CPU: a snapshot that
+    training does not change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
 class OuterLoop:
     """The outer loop of one CloudDDP (module docstring)."""
 
@@ -211,6 +223,7 @@ class OuterLoop:
         self.config, self.outer, self.topo = config, outer, topo
         self.params = [p for p in params if p.requires_grad]
         self._check_optimizer(optimizer)
+        self.optimizer = optimizer
         self.numel = sum(p.numel() for p in self.params)
         self.fragments = outer.fragments
         if self.numel < self.fragments * topo.shards:
@@ -446,10 +459,19 @@ class OuterLoop:
 
     def state_dict(self) -> dict[str, Any]:
         """Outer copy, momentum, residuals, in-flight fragments (their exchanges are waited for,
-        so that the residuals are the ones after them) and the schedule."""
+        so that the residuals are the ones after them) and the schedule; on a region's first rank
+        also the region's own parameters and inner optimizer state ("region"): regions differ
+        between syncs, and a checkpoint's one copy of the model and optimizer is one region's."""
         self.catch_up()
         self._wait()
+        region = None
+        if self.topo.local_index == 0:
+            region = {
+                "params": [p.detach().cpu().clone() for p in self.params],
+                "optimizer": _cpu_copy(self.optimizer.state_dict()),
+            }
         return {
+            "region": region,
             "format": OUTER_STATE_FORMAT,
             "step": self.step,
             "schedule": None if self.schedule is None else dataclasses.asdict(self.schedule),
@@ -508,7 +530,28 @@ class OuterLoop:
             self.flights[fl["fragment"]] = _Flight(
                 fl["fragment"], fl["sent"], fl["merge"], fl["local_at_send"].to(device), done
             )
+        if "region" in state:  # (absent in states saved before it was kept)
+            self._load_region(state["region"])
         self._times, self._last = [], time.perf_counter()
+
+    def _load_region(self, region: dict[str, Any] | None) -> None:
+        """This region's parameters and inner optimizer state, from its first rank's state (all
+        ranks of the region call): after the user's load of the checkpoint's one model and
+        optimizer, which are another region's where regions trained apart."""
+        members = self.topo.members[self.topo.region]
+        got = [region]
+        if len(members) > 1:
+            group = self.own.groups[f"region{self.topo.region}"]
+            dist.broadcast_object_list(got, src=members[0], group=group)
+        if got[0] is None:
+            raise ValueError("outer state: the region's first rank holds no region state")
+        params = got[0]["params"]
+        if [tuple(t.shape) for t in params] != [tuple(p.shape) for p in self.params]:
+            raise ValueError("outer state: the region's parameters do not fit this model")
+        with torch.no_grad():
+            for p, value in zip(self.params, params, strict=True):
+                p.copy_(value)
+        self.optimizer.load_state_dict(got[0]["optimizer"])
 
     def settle(self) -> None:
         """Wait until the exchanges in flight have crossed (every rank has started them); they

@@ -6,7 +6,6 @@ schedule choice, and every bad option."""
 
 from __future__ import annotations
 
-import copy
 import zlib
 
 import pytest
@@ -167,11 +166,12 @@ def test_amp_skipped_steps_keep_the_regions_schedules_together(overlap):
 # -- resume --------------------------------------------------------------------------------------
 
 
-def _resume(rank, world, outer, steps, save_at):
+def _resume(rank, world, outer, steps, save_at, folder, regions):
     import cloudtrain
+    from cloudtrain.checkpoint import Checkpointer
 
     cloudtrain.init()
-    config = CompressionConfig(regions="per-rank", outer=outer)
+    config = CompressionConfig(regions=regions, outer=outer)
 
     def build():
         model = make_model()
@@ -182,12 +182,15 @@ def _resume(rank, world, outer, steps, save_at):
     saved = None
     for step in range(steps):
         train_step(ddp, opt, rank, step)
-        if step + 1 == save_at:
+        if step + 1 == save_at:  # through a checkpoint, as a resume after a reclaim reads it
             in_flight = sorted(ddp.outer.flights)
-            saved = copy.deepcopy((model.state_dict(), opt.state_dict(), ddp.comm_state_dict()))
+            comm = ddp.comm_state_dict()
+            Checkpointer(folder).save(step + 1, model=model, optimizer=opt, comm_state=comm)
     straight = [p.detach().clone() for p in model.parameters()]
 
     model, opt, ddp = build()
+    loaded = Checkpointer(folder).load()  # weights_only=True: the outer state is plain data
+    saved = (loaded["model"], loaded["optimizer"], loaded["comm_state"])
     without = {k: v for k, v in saved[2].items() if k != "outer"}
     try:
         ddp.load_comm_state_dict(without)
@@ -203,7 +206,10 @@ def _resume(rank, world, outer, steps, save_at):
     return in_flight, straight, resumed, refused
 
 
-def test_resume_with_a_fragment_in_flight_is_bit_identical():
+@pytest.mark.parametrize("regions", ["per-rank", "a,a,b,b"])
+def test_resume_with_a_fragment_in_flight_is_bit_identical(tmp_path, regions):
+    """Through a real checkpoint (one folder, one copy of the model and optimizer: region 0's)
+    and a fresh CloudDDP: each region gets its own parameters and inner optimizer state back."""
     outer = OuterConfig(
         sync_every=4,
         fragments=2,
@@ -214,13 +220,14 @@ def test_resume_with_a_fragment_in_flight_is_bit_identical():
         outer_momentum=0.9,
     )
     # fragment 1 syncs at steps 2, 6, 10 and merges 2 steps later: in flight after step 6
-    results = run_ranks(2, _resume, outer, 12, 6, timeout=300)
+    world = 2 if regions == "per-rank" else 4
+    results = run_ranks(world, _resume, outer, 12, 6, str(tmp_path), regions, timeout=300)
     for in_flight, straight, resumed, refused in results:
         assert refused is not None and "no outer-loop state" in refused
         assert in_flight == [1]
         for a, b in zip(straight, resumed, strict=True):
             assert torch.equal(a, b), "the resumed run's parameters differ from the straight run's"
-    assert not all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True)), (
+    assert not all(torch.equal(a, b) for a, b in zip(results[0][1], results[-1][1], strict=True)), (
         "the two regions should differ by their last steps"
     )
 
