@@ -31,13 +31,14 @@ MACHINE = (
 def test_bench_reports_wan_bytes_from_the_shaped_links(tmp_path):
     cmd = [
         sys.executable, "-m", "cloudtrain.tools.bench", "--steps", "8", "--warmup", "2", "--hidden", "256",
-        "--methods", "compute", "ddp", "cloud-topk-1pct", "--out", str(tmp_path), "--json",
+        "--methods", "compute", "ddp", "cloud-topk-1pct", "cloud-diloco", "--out", str(tmp_path),
+        "--json",
     ]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     rows = {r["method"]: r for r in report["rows"]}
-    asked = {"compute", "ddp", "cloud-topk-1pct"}
+    asked = {"compute", "ddp", "cloud-topk-1pct", "cloud-diloco"}
     assert asked <= set(rows) <= asked | {"ddp-loopback"}  # the bench adds its DDP baseline
     assert (tmp_path / "bench-wan.json").exists() and (tmp_path / "bench-wan.png").exists()
     for row in rows.values():
@@ -55,6 +56,10 @@ def test_bench_reports_wan_bytes_from_the_shaped_links(tmp_path):
     ddp, cloud = rows["ddp"]["wan_mb_per_step"], rows["cloud-topk-1pct"]["wan_mb_per_step"]
     # 1% of the values plus their indices, against every value (twice, for a ring all-reduce)
     assert ddp > 20 * cloud > 0, (ddp, cloud)
+    # the outer loop: its H chosen for the link, and the final sync of finish_outer() at least
+    outer = rows["cloud-diloco"]
+    assert ddp > 20 * outer["wan_mb_per_step"] > 0, outer
+    assert outer["plans"] and outer["plans"][0][1][0].startswith("every "), outer["plans"]
     # every step of DDP waits for at least one round trip across the regions
     assert min(rows["ddp"]["step_times_ms"][2:]) >= 80, rows["ddp"]["step_times_ms"]
 

@@ -100,6 +100,29 @@ def test_train_charlm_under_torchrun():
     assert result["val_loss"] < 4.0  # below the ~4.6 nats of guessing among ~100 characters
 
 
+def test_train_charlm_with_the_outer_loop_under_torchrun():
+    args = ["--config", "diloco", "--regions", "per-rank", "--steps", "30", "--sample", "0"]
+    args += ["--sync-every", "10", "--fragments", "2", "--overlap", "1"]
+    result, _ = run(torchrun("train_charlm.py", *args))
+    print(f"\ntorchrun train_charlm, outer loop: {result}")
+    assert result["world_size"] == 2 and result["config"] == "diloco"
+    # 3 syncs of each fragment and the final one, not 30 steps of gradients
+    params = result["params"]
+    assert 0 < result["wan_bytes_sent"] < 30 * params, (result["wan_bytes_sent"], params)
+    assert result["val_loss"] < 4.0
+
+
+def test_train_digits_with_the_outer_loop_under_horovodrun():
+    if not HOROVODRUN.exists():
+        skip_or_fail("horovod", "horovodrun is missing: `make install` builds it")
+    cmd = [str(HOROVODRUN), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable]
+    cmd += [str(EXAMPLES / "train_digits.py"), "--config", "diloco", "--regions", "per-rank"]
+    result, _ = run([*cmd, "--steps", "40", "--sync-every", "10"])
+    print(f"\nhorovodrun train_digits, outer loop: {result}")
+    assert result["world_size"] == 2 and result["config"] == "diloco"
+    assert result["wan_bytes_sent"] > 0 and result["accuracy"] > 0.8
+
+
 def test_examples_run_as_one_process():
     digits, _ = run([sys.executable, str(EXAMPLES / "train_digits.py"), "--steps", "30"])
     charlm, _ = run(
