@@ -180,11 +180,11 @@ class CloudDDP(DistributedDataParallel):
             self.outer.finish()
 
     def close(self) -> None:
-        """Let cloudtrain's background collectives finish: the controller's decision on its way
-        and the outer loop's exchanges in flight (every rank has started them, so they complete
-        within the timeout). Call it on every rank before `dist.destroy_process_group()`:
-        destroying the groups under a collective in flight can abort the process. Nothing is
-        lost, and training may go on after it."""
+        """Let cloudtrain's collectives in flight finish: the pipeline's exchanges, the
+        controller's decision on its way and the outer loop's exchanges (every rank has started
+        them, so they complete within the timeout). Call it on every rank, at the same step,
+        before `dist.destroy_process_group()`: destroying the groups under a collective in flight
+        can abort the process. Nothing is lost, and training may go on after it."""
         self.comm.settle()
         if self.outer is not None:
             self.outer.settle()

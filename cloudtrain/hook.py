@@ -305,7 +305,10 @@ class CommState:
                 job.future.set_exception(e)
 
     def settle(self) -> None:
-        """The controller's decision on its way crosses before this returns."""
+        """Exchanges in flight (staleness > 0) are finished - collectives: every rank calls it
+        at the same step - and the controller's decision on its way crosses, before this
+        returns. Nothing is applied early: the pipeline keeps the finished values."""
+        self.pipeline.finish_all(self.path.finish)
         if self.controller is not None:
             self.controller.settle()
 

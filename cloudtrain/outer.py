@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .collectives import CommError
 from .compress import ErrorFeedback
 from .config import AUTO, CompressionConfig, OuterConfig
 from .datapath import CrossRegion, Shard
@@ -465,7 +466,7 @@ class OuterLoop:
         self.catch_up()
         self._wait()
         region = None
-        if self.topo.local_index == 0:
+        if self.topo.local_index == 0 and not self.topo.single_region:
             region = {
                 "params": [p.detach().cpu().clone() for p in self.params],
                 "optimizer": _cpu_copy(self.optimizer.state_dict()),
@@ -530,7 +531,7 @@ class OuterLoop:
             self.flights[fl["fragment"]] = _Flight(
                 fl["fragment"], fl["sent"], fl["merge"], fl["local_at_send"].to(device), done
             )
-        if "region" in state:  # (absent in states saved before it was kept)
+        if "region" in state and not self.topo.single_region:  # (absent in older states)
             self._load_region(state["region"])
         self._times, self._last = [], time.perf_counter()
 
@@ -542,9 +543,22 @@ class OuterLoop:
         got = [region]
         if len(members) > 1:
             group = self.own.groups[f"region{self.topo.region}"]
-            dist.broadcast_object_list(got, src=members[0], group=group)
+            try:
+                dist.broadcast_object_list(got, src=members[0], group=group)
+            except Exception as e:
+                raise CommError(
+                    f"cloudtrain: the region's outer-loop state from rank {members[0]} to ranks "
+                    f"{list(members)} failed on rank {self.topo.rank}: {e}"
+                ) from e
         if got[0] is None:
-            raise ValueError("outer state: the region's first rank holds no region state")
+            # this rank was not a region's first when the state was saved (another cluster
+            # layout): the region keeps the checkpoint's model and optimizer, as loaded
+            log.warning(
+                "cloudtrain: outer state has no parameters of region %s (the regions' ranks "
+                "differ from the saved run's): it resumes from the checkpoint's model",
+                self.topo.regions[self.topo.region],
+            )
+            return
         params = got[0]["params"]
         if [tuple(t.shape) for t in params] != [tuple(p.shape) for p in self.params]:
             raise ValueError("outer state: the region's parameters do not fit this model")

@@ -164,13 +164,15 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
 cloud = cloudtrain.CloudDDP(model, CompressionConfig(controller={"interval": 2}, timeout_s=120))
 controller, rank = cloud.comm.controller, torch.distributed.get_rank()
+last = None
 for step in range(60):
     g = torch.Generator().manual_seed(100 * step + rank)
     cloud(torch.randn(32, 256, generator=g)).square().mean().backward()
-    # stop right after a due step: its decision (a gather and a broadcast across the 100 ms
-    # round trip, several of them) is still on its way
-    if step >= 8 and controller._pending is not None and not controller._pending.done():
+    # stop right after a due step (the same step on every rank): its decision (a gather and a
+    # broadcast across the 100 ms round trip, several of them) is still on its way
+    if step >= 8 and controller._pending is not last:
         break
+    last = controller._pending
 in_flight = not controller._pending.done()
 cloud.close()
 print(json.dumps({"step": step, "in_flight": in_flight, "settled": controller._pending.done()}))
@@ -186,7 +188,7 @@ def test_close_lets_a_decision_in_flight_cross_before_the_groups_go():
     it, gloo aborted all four ranks in teardown)."""
     name = f"cl{os.getpid() % 10000}-{uuid.uuid4().hex[:4]}"
     try:
-        with Emulator({"us": 2, "eu": 2}, 1000, rtt_ms=100, name=name) as wan:
+        with Emulator({"us": 2, "eu": 2}, 200, rtt_ms=100, name=name) as wan:
             procs = spawn(wan, CLOSE_WORKER, 29533, stderr=subprocess.PIPE)
             outs = [p.communicate(timeout=240) for p in procs]
             assert [p.returncode for p in procs] == [0, 0, 0, 0], [
@@ -195,5 +197,6 @@ def test_close_lets_a_decision_in_flight_cross_before_the_groups_go():
     finally:
         teardown(name)
     reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    assert all(r["in_flight"] for r in reports), reports  # the case this is about happened
+    assert any(r["in_flight"] for r in reports), reports  # the case this is about happened
+    assert len({r["step"] for r in reports}) == 1, reports
     assert all(r["settled"] for r in reports), reports
