@@ -56,9 +56,10 @@ def test_bench_reports_wan_bytes_from_the_shaped_links(tmp_path):
     ddp, cloud = rows["ddp"]["wan_mb_per_step"], rows["cloud-topk-1pct"]["wan_mb_per_step"]
     # 1% of the values plus their indices, against every value (twice, for a ring all-reduce)
     assert ddp > 20 * cloud > 0, (ddp, cloud)
-    # the outer loop: its H chosen for the link, and the final sync of finish_outer() at least
+    # the outer loop: its H chosen for the link (>= 5), and the final sync of finish_outer() -
+    # two syncs in 8 steps at most, whatever codec it picked (a sync every step would be 1.5x)
     outer = rows["cloud-diloco"]
-    assert ddp > 20 * outer["wan_mb_per_step"] > 0, outer
+    assert ddp > 3 * outer["wan_mb_per_step"] > 0, (ddp, outer["wan_mb_per_step"])
     assert outer["plans"] and outer["plans"][0][1][0].startswith("every "), outer["plans"]
     # every step of DDP waits for at least one round trip across the regions
     assert min(rows["ddp"]["step_times_ms"][2:]) >= 80, rows["ddp"]["step_times_ms"]

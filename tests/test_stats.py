@@ -65,6 +65,22 @@ def spawn(wan: Emulator, script: str, port: int, **popen) -> list[subprocess.Pop
     ]  # fmt: skip
 
 
+def run_to_the_end(prefix: str, script: str, port: int, mbit: float, rtt_ms: float = 0) -> list:
+    """The 4 ranks of `script` over an emulated WAN (2 regions x 2): every rank must exit with
+    0 (a rank aborted in teardown is a failure too); each rank's last stdout line, as JSON."""
+    name = f"{prefix}{os.getpid() % 10000}-{uuid.uuid4().hex[:4]}"
+    try:
+        with Emulator({"us": 2, "eu": 2}, mbit, rtt_ms=rtt_ms, name=name) as wan:
+            procs = spawn(wan, script, port, stderr=subprocess.PIPE)
+            outs = [p.communicate(timeout=240) for p in procs]
+            assert [p.returncode for p in procs] == [0, 0, 0, 0], [
+                o[0][-2000:] + o[1][-2000:] for o in outs
+            ]
+    finally:
+        teardown(name)
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
 def test_ring_share_of_a_plain_all_reduce():
     regions = ("us", "us", "eu", "eu")
     # gloo's ring sends 2 (n-1)/n of the buffer to the next rank; ranks 1 and 3 send across
@@ -138,17 +154,7 @@ def test_the_controller_turns_zstd_on_for_a_slow_link():
     """bf16 packets of real gradients shrink under zstd by more than its CPU costs on a
     20 Mbit/s link: the controller's trial finds it and switches the stage on for both
     regions; replicas stay identical."""
-    name = f"zs{os.getpid() % 10000}-{uuid.uuid4().hex[:4]}"
-    try:
-        with Emulator({"us": 2, "eu": 2}, 20, name=name) as wan:
-            procs = spawn(wan, ZSTD_WORKER, 29532, stderr=subprocess.PIPE)
-            outs = [p.communicate(timeout=240) for p in procs]
-            assert [p.returncode for p in procs] == [0, 0, 0, 0], [
-                o[0][-2000:] + o[1][-2000:] for o in outs
-            ]
-    finally:
-        teardown(name)
-    plans = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    plans = run_to_the_end("zs", ZSTD_WORKER, 29532, 20)
     assert all(p == plans[0] for p in plans), "every rank follows rank 0's plan"
     assert plans[0] and plans[0][-1] == [True, True], plans[0]
 
@@ -186,17 +192,7 @@ def test_close_lets_a_decision_in_flight_cross_before_the_groups_go():
     """A script that destroys its process groups right after a due step, with the controller's
     decision still crossing regions: close() waits for it, and every rank exits cleanly (without
     it, gloo aborted all four ranks in teardown)."""
-    name = f"cl{os.getpid() % 10000}-{uuid.uuid4().hex[:4]}"
-    try:
-        with Emulator({"us": 2, "eu": 2}, 200, rtt_ms=100, name=name) as wan:
-            procs = spawn(wan, CLOSE_WORKER, 29533, stderr=subprocess.PIPE)
-            outs = [p.communicate(timeout=240) for p in procs]
-            assert [p.returncode for p in procs] == [0, 0, 0, 0], [
-                o[0][-2000:] + o[1][-2000:] for o in outs
-            ]
-    finally:
-        teardown(name)
-    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    reports = run_to_the_end("cl", CLOSE_WORKER, 29533, 200, rtt_ms=100)
     assert any(r["in_flight"] for r in reports), reports  # the case this is about happened
     assert len({r["step"] for r in reports}) == 1, reports
     assert all(r["settled"] for r in reports), reports
