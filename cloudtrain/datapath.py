@@ -188,20 +188,20 @@ class CrossRegion:
         members = topo.members[topo.region]
         group = topo.groups.get(f"region{topo.region}")
         with self.stats.timed("intra_reduce"):
-            if len(members) == shards and shards > 1 and not buf.is_cuda:
-                mine = buf.new_empty(m)  # gloo: point-to-point beats its reduce_scatter
-                reduce_scatter_direct(
-                    mine, padded, members, topo.local_index, group, self.timeout, where
-                )
-            elif len(members) == shards and shards > 1:
+            if len(members) == shards and shards > 1:
                 mine = buf.new_empty(m)
-                finish(
-                    "intra-region reduce-scatter",
-                    members,
-                    self.timeout,
-                    lambda: reduce_scatter_single(mine, padded, group=group, async_op=True),
-                    where,
-                )
+                if buf.is_cuda:
+                    finish(
+                        "intra-region reduce-scatter",
+                        members,
+                        self.timeout,
+                        lambda: reduce_scatter_single(mine, padded, group=group, async_op=True),
+                        where,
+                    )
+                else:  # gloo: point-to-point beats its reduce_scatter
+                    reduce_scatter_direct(
+                        mine, padded, members, topo.local_index, group, self.timeout, where
+                    )
             elif len(members) > 1:  # a region larger than the smallest: reduce all, owners slice
                 finish(
                     "intra-region all-reduce",
