@@ -9,23 +9,43 @@ is lost, and never touch a namespace this package did not create, whatever its n
 found by their command line (which names their emulator; the state file records their pids too)
 and killed first, with every other process started in our namespaces: a process left inside
 would keep a deleted namespace alive. Deleting the namespaces deletes every interface in them.
-After a SIGKILL run `cloudtrain netem down --name NAME` (or `--all`).
+
+The write side lives here too: `add_namespace` sets the marker that `leftovers` reads,
+`claim_state`/`write_state` the file `teardown` reads, `relay_log` names the logs it removes.
+`TeardownAtExit` tears an emulator down at exit and on SIGTERM/SIGHUP; after a SIGKILL run
+`cloudtrain netem down --name NAME` (or `--all`).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .host import _run
+from .delayline import RELAY_MODULE
+from .host import _batch, _run, _sysctl
 from .spec import _NAME_RE, _NS_RE, MARKER, check_name
 
 STATE_DIR = Path("/run/cloudtrain-netem")
+_NO_IPV6 = {  # no router solicitations / DAD chatter crossing the shaped links
+    "net.ipv6.conf.all.disable_ipv6": "1",
+    "net.ipv6.conf.default.disable_ipv6": "1",
+}
+
+
+def add_namespace(ns: str, name: str) -> None:
+    """Create namespace `ns` for emulator `name`, carrying the marker `_marker_of` reads, with
+    its loopback up and IPv6 off."""
+    _run(["ip", "netns", "add", ns])
+    _batch("ip", ns, [f"link set lo alias {MARKER}:{name}", "link set lo up"])
+    _sysctl(ns, _NO_IPV6)
 
 
 def _namespaces() -> list[str]:
@@ -50,6 +70,29 @@ def _state_path(name: str) -> Path:
 
 def _state_names() -> list[str]:
     return sorted(p.stem for p in STATE_DIR.glob("*.json") if _NAME_RE.fullmatch(p.stem))
+
+
+def relay_log(name: str, link: int | str) -> Path:
+    """Where the relay of emulator name's link `link` writes its stderr (`*`: a glob of all)."""
+    return STATE_DIR / f"{name}.relay-{link}.log"
+
+
+def claim_state(name: str) -> bool:
+    """Create emulator name's state file, empty, unless it exists: of two processes racing for
+    the name, one gets False."""
+    STATE_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
+    try:
+        _state_path(name).open("x").close()
+    except FileExistsError:
+        return False
+    return True
+
+
+def write_state(name: str, state: Mapping[str, Any]) -> None:
+    """Replace emulator name's state file with `state`, at once (a reader never sees half)."""
+    tmp = _state_path(name).with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(_state_path(name))
 
 
 def _read_state(name: str) -> dict[str, Any]:
@@ -84,7 +127,7 @@ def relay_processes(name: str | None = None) -> list[int]:
             continue
         with contextlib.suppress(OSError):
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-            if b"cloudtrain.tools.netem" in argv and b"relay" in argv:
+            if RELAY_MODULE.encode() in argv and b"relay" in argv:
                 names = [a for a in argv if a.startswith(b"--name=")]
                 if names and (want is None or names[0] == want):
                     pids.append(int(proc.name))
@@ -142,9 +185,36 @@ def teardown(name: str | None = None) -> list[str]:
         _run(["ip", "netns", "del", ns], check=False)
         removed.append(ns)
     for n in names:
-        extra = [*STATE_DIR.glob(f"{n}.tmp*"), *STATE_DIR.glob(f"{n}.relay-*.log")]
+        extra = [*STATE_DIR.glob(f"{n}.tmp*"), *STATE_DIR.glob(relay_log(n, "*").name)]
         for path in [_state_path(n), *extra]:
             if path.exists():
                 path.unlink(missing_ok=True)
                 removed.append(str(path))
     return removed
+
+
+class TeardownAtExit:
+    """Calls `down` at interpreter exit and on SIGTERM/SIGHUP until `release()`: an emulator
+    owned by a process goes with it (after a SIGKILL, `teardown` finds what is left)."""
+
+    def __init__(self, down: Callable[[], None]) -> None:
+        self.down = down
+        self._old_handlers: dict[int, Any] = {}
+        atexit.register(down)
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                self._old_handlers[sig] = signal.signal(sig, _exit_on_signal)
+
+    def release(self) -> None:
+        atexit.unregister(self.down)
+        for sig, handler in self._old_handlers.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(sig, handler)
+        self._old_handlers.clear()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    # Unwinds `with` blocks (which call down) and runs atexit; exit status as if killed.
+    raise SystemExit(128 + signum)

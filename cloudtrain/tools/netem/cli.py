@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from .cleanup import _state_names, leftovers, teardown
-from .delayline import _measure_ceiling, _relay_main
+from .delayline import _measure_ceiling, relay_main
 from .emulator import Emulator
 from .host import EmulatorError, available
 from .spec import DEFAULT_NAME, PROFILES, check_name, link_profile, parse_mbit, parse_regions
@@ -200,6 +200,6 @@ def child_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=0.3)
     args = parser.parse_args(argv)
     if args.what == "relay":
-        return _relay_main(check_name(args.name), args.link, args.delay_ms)
+        return relay_main(check_name(args.name), args.link, args.delay_ms)
     print(json.dumps(_measure_ceiling(args.delay_ms, args.seconds)))
     return 0

@@ -28,10 +28,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from .host import EmulatorError
 from .spec import MTU
 
+RELAY_MODULE = "cloudtrain.tools.netem"
+"""What a relay runs as (`python -m`; __main__.py): `relay_processes` finds relays by it."""
 RELAY_HEADROOM = 0.5
 """Share of the measured relay ceiling a link's up + down rate may use (see the docstring)."""
 _TUNSETIFF = 0x400454CA
@@ -118,12 +121,38 @@ def relay_ceiling(delay_ms: float, seconds: float = 0.3) -> dict[str, float]:
     frames/s and Mbit/s of MTU-sized frames, and its CPU per frame. Runs the relay's own loop
     (DelayLine) in a fresh process between two socket pairs fed as fast as they take frames;
     frames per CPU-second of the relay is the ceiling (one core fully used)."""
-    cmd = [sys.executable, "-m", "cloudtrain.tools.netem", "relay-ceiling",
+    cmd = [sys.executable, "-m", RELAY_MODULE, "relay-ceiling",
            "--delay-ms", f"{delay_ms}", "--seconds", f"{seconds}"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         raise EmulatorError(f"measuring the delay line's ceiling failed: {proc.stderr.strip()}")
     return json.loads(proc.stdout)
+
+
+def describe_ceiling(ceiling: dict[str, float], busiest_mbit: float) -> str:
+    """The measured `ceiling` in words, and what share of a core the busiest link's relay needs
+    at `busiest_mbit` (its up + down rate)."""
+    r = ceiling
+    cpu = busiest_mbit * 1e6 / 8 / r["frame_bytes"] * r["us_cpu_per_frame"] / 1e6
+    return (
+        f"relay ceiling {r['mbit']:.0f} Mbit/s ({r['frames_per_s']:.0f} frames/s "
+        f"of {r['frame_bytes']:.0f} B, {r['us_cpu_per_frame']:.1f} us CPU per frame, "
+        f"measured at {r['delay_ms']:g} ms delay); the busiest link, {busiest_mbit:g} Mbit/s "
+        f"up + down, needs {cpu:.0%} of a core in its relay at full rate"
+    )
+
+
+def check_relay_capacity(ceiling: dict[str, float], region: str, up: float, down: float) -> None:
+    """EmulatorError unless region's relay can carry `up` + `down` Mbit/s: RELAY_HEADROOM of the
+    measured `ceiling` at most."""
+    limit = RELAY_HEADROOM * ceiling["mbit"]
+    if up + down > limit:
+        raise EmulatorError(
+            f"region {region!r}: {up:g} Mbit/s up + {down:g} down through its delay relay is "
+            f"more than {limit:.0f} Mbit/s ({RELAY_HEADROOM:.0%} of the "
+            f"{ceiling['mbit']:.0f} Mbit/s one relay moved on this machine when the "
+            "emulator came up): lower the rate, or ask for no delay on that region's link"
+        )
 
 
 def _measure_ceiling(delay_ms: float, seconds: float) -> dict[str, float]:
@@ -168,7 +197,37 @@ def _measure_ceiling(delay_ms: float, seconds: float) -> dict[str, float]:
     }
 
 
-def _relay_main(name: str, link: int, delay_ms: float) -> int:
+def start_relay(
+    namespace: str, name: str, link: int, delay_ms: float, log: Path
+) -> subprocess.Popen:
+    """Start the relay of link `link` of emulator `name` inside `namespace`, its stderr to `log`;
+    `wait_ready` waits for it. `ip netns exec` execs the relay: the pid is the relay's."""
+    argv = [sys.executable, "-m", RELAY_MODULE, "relay", f"--name={name}", f"--link={link}",
+            f"--delay-ms={delay_ms}"]  # fmt: skip
+    with log.open("w") as err:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", namespace, *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,  # its owner stops it; a terminal's signals must not
+        )
+
+
+def wait_ready(relay: subprocess.Popen, region: str, log: Path) -> None:
+    """Return once `relay` (of region's link) says it is ready; EmulatorError with its log if it
+    ends first."""
+    assert relay.stdout is not None
+    if relay.stdout.readline().strip() != "ready":
+        relay.wait(timeout=10)
+        raise EmulatorError(
+            f"the delay relay of region {region!r} did not start: {log.read_text()[-2000:]}"
+        )
+    relay.stdout.close()
+
+
+def relay_main(name: str, link: int, delay_ms: float) -> int:
     """A relay process: joins TAPs up<link> and dn<link> (run inside the emulator's wan
     namespace), says "ready", relays until killed or its devices go."""
     up, dn = _open_tap(f"up{link}"), _open_tap(f"dn{link}")

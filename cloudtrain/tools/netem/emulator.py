@@ -46,32 +46,44 @@ SIGKILL run `cloudtrain netem down --name NAME` (or `--all`).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .cleanup import STATE_DIR, _state_path, leftovers, teardown
-from .delayline import RELAY_HEADROOM, relay_ceiling
-from .host import EmulatorError, _batch, _has_netem, _run, _sysctl, available, delay_line_available
+from .cleanup import (
+    TeardownAtExit,
+    _state_path,
+    add_namespace,
+    claim_state,
+    leftovers,
+    relay_log,
+    teardown,
+    write_state,
+)
+from .delayline import (
+    check_relay_capacity,
+    describe_ceiling,
+    relay_ceiling,
+    start_relay,
+    wait_ready,
+)
+from .host import EmulatorError, _batch, _has_netem, _run, available, delay_line_available
 from .spec import (
     DEFAULT_NAME,
     DELAY_LINE,
     DELAY_NETEM,
-    MARKER,
     MTU,
-    PREFIX,
     RANK_IFNAME,
     RATE_ONLY,
     WanSpec,
+    rank_namespace,
     tbf_params,
+    wan_namespace,
 )
 
 GOODPUT = f"{__package__}.goodput"
@@ -89,13 +101,7 @@ class Emulator:
         name: str = DEFAULT_NAME,
         down_mbit: float | Mapping[str, float] | None = None,
     ) -> None:
-        def per_region(rate: float | Mapping[str, float]) -> dict[str, float]:
-            rates = dict.fromkeys(regions, rate) if isinstance(rate, (int, float)) else rate
-            return {r: float(v) for r, v in rates.items()}
-
-        down = None if down_mbit is None else per_region(down_mbit)
-        rtt = float(rtt_ms) if isinstance(rtt_ms, (int, float)) else per_region(rtt_ms)
-        self.spec = WanSpec(dict(regions), per_region(mbit), rtt, name, down)
+        self.spec = WanSpec.of(regions, mbit, rtt_ms, name, down_mbit)
         self.emulation: str | None = None
         """RATE_ONLY, DELAY_NETEM or DELAY_LINE once up; see `emulation_note` for details."""
         self.emulation_note = ""
@@ -105,8 +111,8 @@ class Emulator:
         """Pid of the relay process of each delayed region link."""
         self._relay_procs: list[subprocess.Popen] = []
         self._rank_region = [(r, i) for r, n in self.spec.regions.items() for i in range(n)]
-        self._owned = False
-        self._old_handlers: dict[int, object] = {}
+        self._exit_guard: TeardownAtExit | None = None
+        """Tears this emulator down at exit and on SIGTERM/SIGHUP, while it is up and owned."""
 
     # -- names and addresses ----------------------------------------------------------------
 
@@ -120,12 +126,12 @@ class Emulator:
 
     @property
     def wan_namespace(self) -> str:
-        return f"{PREFIX}{self.name}-wan"
+        return wan_namespace(self.name)
 
     def namespace(self, rank: int) -> str:
         """The network namespace rank `rank` runs in."""
         self._check_rank(rank)
-        return f"{PREFIX}{self.name}-r{rank}"
+        return rank_namespace(self.name, rank)
 
     def region(self, rank: int) -> str:
         self._check_rank(rank)
@@ -165,21 +171,13 @@ class Emulator:
         ok, why = available()
         if not ok:
             raise EmulatorError(why)
-        taken = EmulatorError(
-            f"an emulator named {self.name!r} exists already: "
-            f"run `cloudtrain netem down --name {self.name}` or pick another name"
-        )
-        if leftovers(self.name):
-            raise taken
-        STATE_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
-        try:  # claims the name: of two processes racing for it, one gets an error
-            _state_path(self.name).open("x").close()
-        except FileExistsError:
-            raise taken from None
-        self._owned = not persist
-        if self._owned:
-            atexit.register(self.down)
-            self._install_signal_handlers()
+        if leftovers(self.name) or not claim_state(self.name):
+            raise EmulatorError(
+                f"an emulator named {self.name!r} exists already: "
+                f"run `cloudtrain netem down --name {self.name}` or pick another name"
+            )
+        if not persist:
+            self._exit_guard = TeardownAtExit(self.down)
         try:
             self._write_state()  # first: a crash from here on leaves a record
             self._build()
@@ -196,10 +194,9 @@ class Emulator:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
         self._relay_procs.clear()
-        if self._owned:
-            self._owned = False
-            atexit.unregister(self.down)
-            self._restore_signal_handlers()
+        if self._exit_guard is not None:
+            guard, self._exit_guard = self._exit_guard, None
+            guard.release()
 
     def __enter__(self) -> Emulator:
         return self.up()
@@ -227,24 +224,6 @@ class Emulator:
         wan.relay, wan.relays = state.get("relay"), state.get("relays") or {}
         return wan
 
-    def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def on_signal(signum: int, frame: object) -> None:
-            # Unwinds `with` blocks (which call down) and runs atexit; exit status as if killed.
-            raise SystemExit(128 + signum)
-
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) in (signal.SIG_DFL, None):
-                self._old_handlers[sig] = signal.signal(sig, on_signal)
-
-    def _restore_signal_handlers(self) -> None:
-        for sig, handler in self._old_handlers.items():
-            with contextlib.suppress(ValueError, TypeError):
-                signal.signal(sig, handler)
-        self._old_handlers.clear()
-
     def _write_state(self) -> None:
         state = {
             "version": 2,
@@ -262,163 +241,58 @@ class Emulator:
             "pid": os.getpid(),
             "created": time.time(),
         }
-        tmp = _state_path(self.name).with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(state, indent=1))
-        tmp.replace(_state_path(self.name))
-
-    def _delayed(self) -> list[str]:
-        return [r for r in self.spec.regions if self.spec.link_delay_ms(r) > 0]
+        write_state(self.name, state)
 
     def _choose_emulation(self) -> None:
-        rtt = self._rtt_text()
-        if not self._delayed():
+        delayed, rtt = self.spec.delayed_regions(), self.spec.describe_rtt()
+        if not delayed:
             self.emulation, self.emulation_note = RATE_ONLY, "no delay asked for"
         elif _has_netem(self.wan_namespace):
             self.emulation, self.emulation_note = DELAY_NETEM, f"{rtt} via netem"
         elif delay_line_available():
-            self.relay = relay_ceiling(max(map(self.spec.link_delay_ms, self._delayed())))
-            for region in self._delayed():
+            self.relay = relay_ceiling(max(map(self.spec.link_delay_ms, delayed)))
+            for region in delayed:
                 self._check_relay_capacity(region, self.spec.mbit[region], self.spec.down(region))
-            r = self.relay
-            busiest = max(self.spec.mbit[g] + self.spec.down(g) for g in self._delayed())
-            cpu = busiest * 1e6 / 8 / r["frame_bytes"] * r["us_cpu_per_frame"] / 1e6
+            busiest = max(self.spec.mbit[g] + self.spec.down(g) for g in delayed)
             self.emulation = DELAY_LINE
-            self.emulation_note = (
-                f"{rtt}; relay ceiling {r['mbit']:.0f} Mbit/s ({r['frames_per_s']:.0f} frames/s "
-                f"of {r['frame_bytes']:.0f} B, {r['us_cpu_per_frame']:.1f} us CPU per frame, "
-                f"measured at {r['delay_ms']:g} ms delay); the busiest link, {busiest:g} Mbit/s "
-                f"up + down, needs {cpu:.0%} of a core in its relay at full rate"
-            )
+            self.emulation_note = f"{rtt}; {describe_ceiling(self.relay, busiest)}"
         else:
             self.emulation = RATE_ONLY
             self.emulation_note = (
                 f"kernel has no netem qdisc and no /dev/net/tun: {rtt} is NOT emulated"
             )
 
-    def _rtt_text(self) -> str:
-        shares = {self.spec.share(r) for r in self.spec.regions}
-        if len(shares) == 1:
-            return f"{shares.pop():g} ms RTT between regions"
-        regions = list(self.spec.regions)
-        pairs = [(a, b) for i, a in enumerate(regions) for b in regions[i + 1 :]]
-        return "RTT " + ", ".join(f"{a}-{b} {self.spec.pair_rtt_ms(a, b):g} ms" for a, b in pairs)
-
     def _check_relay_capacity(self, region: str, up: float, down: float) -> None:
-        if self.relay is None or self.spec.link_delay_ms(region) <= 0:
-            return
-        limit = RELAY_HEADROOM * self.relay["mbit"]
-        if up + down > limit:
-            raise EmulatorError(
-                f"region {region!r}: {up:g} Mbit/s up + {down:g} down through its delay relay is "
-                f"more than {limit:.0f} Mbit/s ({RELAY_HEADROOM:.0%} of the "
-                f"{self.relay['mbit']:.0f} Mbit/s one relay moved on this machine when the "
-                "emulator came up): lower the rate, or ask for no delay on that region's link"
-            )
+        if self.relay is not None and self.spec.link_delay_ms(region) > 0:
+            check_relay_capacity(self.relay, region, up, down)
 
     def _build(self) -> None:
         wan = self.wan_namespace
-        no_ipv6 = {  # no router solicitations / DAD chatter crossing the shaped links
-            "net.ipv6.conf.all.disable_ipv6": "1",
-            "net.ipv6.conf.default.disable_ipv6": "1",
-        }
         for ns in [wan, *map(self.namespace, range(self.world_size))]:
-            _run(["ip", "netns", "add", ns])
-            _batch("ip", ns, [f"link set lo alias {MARKER}:{self.name}", "link set lo up"])
-            _sysctl(ns, no_ipv6)
+            add_namespace(ns, self.name)
         self._choose_emulation()
-        line = self.emulation == DELAY_LINE
-
-        bridge = f"mtu {MTU} type bridge stp_state 0 forward_delay 0"
-        ip = [f"link add core {bridge}", "link set core up"]
-        tc = []
-        for g, region in enumerate(self.spec.regions):
-            if line and self.spec.link_delay_ms(region) > 0:
-                link = [f"tuntap add dev up{g} mode tap", f"tuntap add dev dn{g} mode tap"]
-                link += [f"link set up{g} mtu {MTU}", f"link set dn{g} mtu {MTU}"]
-            else:
-                link = [f"link add up{g} mtu {MTU} type veth peer name dn{g} mtu {MTU}"]
-            ip += [
-                f"link add br{g} {bridge}",
-                *link,
-                f"link set up{g} master br{g}",
-                f"link set dn{g} master core",
-                f"link set br{g} up",
-                f"link set up{g} up",
-                f"link set dn{g} up",
-            ]
-            tc += self._qdisc_lines(g, self.spec.mbit[region], self.spec.down(region))
-        for rank in range(self.world_size):
-            g = self._region_index(self.region(rank))
-            ip += [
-                f"link add r{rank} mtu {MTU} type veth peer name {RANK_IFNAME} mtu {MTU} "
-                f"netns {self.namespace(rank)}",
-                f"link set r{rank} master br{g}",
-                f"link set r{rank} up",
-            ]
-        _batch("ip", wan, ip)
-        if line:
+        _batch("ip", wan, _wiring_lines(self.spec, delay_line=self.emulation == DELAY_LINE))
+        if self.emulation == DELAY_LINE:
             self._start_relays()
-        _batch("tc", wan, tc)
+        regions = range(len(self.spec.regions))
+        _batch(
+            "tc", wan, [ln for g in regions for ln in _qdisc_lines(self.spec, self.emulation, g)]
+        )
         for rank in range(self.world_size):
-            _batch(
-                "ip",
-                self.namespace(rank),
-                [
-                    f"addr add {self.address(rank)}/16 dev {RANK_IFNAME}",
-                    f"link set {RANK_IFNAME} up",
-                ],
-            )
+            address = [f"addr add {self.address(rank)}/16 dev {RANK_IFNAME}"]
+            _batch("ip", self.namespace(rank), [*address, f"link set {RANK_IFNAME} up"])
 
     def _start_relays(self) -> None:
         for g, region in enumerate(self.spec.regions):
             delay = self.spec.link_delay_ms(region)
             if delay <= 0:
                 continue
-            log = STATE_DIR / f"{self.name}.relay-{g}.log"
-            argv = [sys.executable, "-m", "cloudtrain.tools.netem", "relay", f"--name={self.name}",
-                    f"--link={g}", f"--delay-ms={delay}"]  # fmt: skip
-            with log.open("w") as err:
-                proc = subprocess.Popen(
-                    ["ip", "netns", "exec", self.wan_namespace, *argv],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=err,
-                    text=True,
-                    start_new_session=True,  # its owner stops it; a terminal's signals must not
-                )
+            log = relay_log(self.name, g)
+            proc = start_relay(self.wan_namespace, self.name, g, delay, log)
             self._relay_procs.append(proc)
-            self.relays[region] = proc.pid  # `ip netns exec` execs the relay: same pid
-            self._write_state()
-            assert proc.stdout is not None
-            if proc.stdout.readline().strip() != "ready":
-                proc.wait(timeout=10)
-                raise EmulatorError(
-                    f"the delay relay of region {region!r} did not start: {log.read_text()[-2000:]}"
-                )
-            proc.stdout.close()
-
-    def _qdisc_lines(self, g: int, up: float, down: float) -> list[str]:
-        """tc lines adding the qdiscs that shape region g: egress of up<g> is the region's uplink
-        (towards the core), egress of dn<g> its downlink."""
-        region = list(self.spec.regions)[g]
-        one_way = self.spec.link_delay_ms(region)
-        netem = self.emulation == DELAY_NETEM and one_way > 0
-        lines = []
-        for dev, mbit in ((f"up{g}", up), (f"dn{g}", down)):
-            p = tbf_params(mbit, self.spec.max_rtt_ms if self.emulation != RATE_ONLY else 0.0)
-            tbf = f"tbf rate {p['rate']}bit burst {p['burst']} limit {p['limit']}"
-            if netem:
-                # netem first (root) and the shaper below it: the netem-wiki recipe. Its packet
-                # limit must not drop before tbf does: room for twice the frames of one delay
-                # plus a full tbf queue at this rate.
-                pkts = max(1000, int(2 * (p["rate"] / 8 * one_way / 1000 + p["limit"]) / 1500))
-                lines.append(
-                    f"qdisc add dev {dev} root handle 1: netem delay {one_way}ms limit {pkts}"
-                )
-                lines.append(f"qdisc add dev {dev} parent 1:1 handle 10: {tbf}")
-            else:
-                lines.append(f"qdisc add dev {dev} root handle 10: {tbf}")
-        return lines
+            self.relays[region] = proc.pid
+            self._write_state()  # before waiting: a crash from here on leaves its pid on record
+            wait_ready(proc, region, log)
 
     # -- live control -------------------------------------------------------------------------
 
@@ -426,21 +300,15 @@ class Emulator:
         """Change region's uplink rate now, and its downlink to down_mbit (default: the same);
         existing flows feel it at once."""
         g = self._region_index(region)
-        down = float(mbit if down_mbit is None else down_mbit)
-        rates = {**self.spec.mbit, region: float(mbit)}
-        downs = None
-        if self.spec.down_mbit is not None or down != float(mbit):
-            downs = {r: self.spec.down(r) for r in self.spec.regions} | {region: down}
-        spec = WanSpec(dict(self.spec.regions), rates, self.spec.rtt_ms, self.name, downs)
+        spec = self.spec.with_rate(region, mbit, down_mbit)
         if self.emulation == DELAY_LINE:
-            self._check_relay_capacity(region, float(mbit), down)
+            self._check_relay_capacity(region, spec.mbit[region], spec.down(region))
         # Delete and add, in one batch, rather than `tc qdisc change`: on this kernel a tbf
         # changed under a full queue was seen to stop dequeuing for good (packets sat in its
         # backlog, TCP backed off to a 60 s stall). A fresh qdisc drops what was queued, and TCP
         # retransmits it within one RTO.
         reset = [f"qdisc del dev {dev}{g} root" for dev in ("up", "dn")]
-        lines = reset + self._qdisc_lines(g, float(mbit), down)
-        _batch("tc", self.wan_namespace, lines)
+        _batch("tc", self.wan_namespace, reset + _qdisc_lines(spec, self.emulation, g))
         self.spec = spec
         self._write_state()
 
@@ -451,16 +319,7 @@ class Emulator:
         whatever the framework reports."""
         out = _run(["ip", "-n", self.wan_namespace, "-s", "-j", "link", "show"])
         links = {link["ifname"]: link["stats64"] for link in json.loads(out)}
-        result = {}
-        for g, region in enumerate(self.spec.regions):
-            s = links[f"up{g}"]
-            result[region] = {
-                "tx_bytes": s["tx"]["bytes"],
-                "rx_bytes": s["rx"]["bytes"],
-                "tx_packets": s["tx"]["packets"],
-                "rx_packets": s["rx"]["packets"],
-            }
-        return result
+        return {r: _traffic(links[f"up{g}"]) for g, r in enumerate(self.spec.regions)}
 
     def env(self, rank: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
         """The environment popen gives rank: os.environ, our defaults, then `env`."""
@@ -509,10 +368,6 @@ class Emulator:
                     p.kill()
                 p.wait()
 
-    def _rates(self, region: str) -> str:
-        up, down = self.spec.mbit[region], self.spec.down(region)
-        return f"{up:g}" if up == down else f"{up:g} up/{down:g} dn"
-
     def describe(self) -> str:
         lines = [
             f"{self.name}: {self.world_size} ranks in {len(self.spec.regions)} regions, "
@@ -527,10 +382,76 @@ class Emulator:
             c = counters.get(region, {})
             delay = self.spec.link_delay_ms(region)
             lines.append(
-                f"  {region:<10} {self._rates(region):>13} Mbit/s  {delay:g} ms each way"
+                f"  {region:<10} {self.spec.describe_rates(region):>13} Mbit/s  {delay:g} ms each way"
                 f"  ranks {ranks[0]}-{ranks[-1]}"
                 f"  {self.address(ranks[0])}..{self.address(ranks[-1])}"
                 f"  WAN tx {c.get('tx_bytes', 0):,} B  rx {c.get('rx_bytes', 0):,} B"
                 + (f"  relay pid {self.relays[region]}" if region in self.relays else "")
             )
         return "\n".join(lines)
+
+
+def _traffic(stats64: Mapping[str, Any]) -> dict[str, int]:
+    """What `counters` reports of one link, from its `stats64` in `ip -s -j link show`."""
+    return {
+        "tx_bytes": stats64["tx"]["bytes"],
+        "rx_bytes": stats64["rx"]["bytes"],
+        "tx_packets": stats64["tx"]["packets"],
+        "rx_packets": stats64["rx"]["packets"],
+    }
+
+
+def _wiring_lines(spec: WanSpec, *, delay_line: bool) -> list[str]:
+    """ip lines, run in the wan namespace, that make the topology of the module docstring: the
+    core bridge, each region's bridge and its link up<g>/dn<g> to the core (two TAPs for the
+    relay where `delay_line` delays it, else a veth pair), and each rank's veth into its own
+    namespace (`eth0` there), all with jumbo frames."""
+    bridge = f"mtu {MTU} type bridge stp_state 0 forward_delay 0"
+    lines = [f"link add core {bridge}", "link set core up"]
+    for g, region in enumerate(spec.regions):
+        if delay_line and spec.link_delay_ms(region) > 0:
+            link = [f"tuntap add dev up{g} mode tap", f"tuntap add dev dn{g} mode tap"]
+            link += [f"link set up{g} mtu {MTU}", f"link set dn{g} mtu {MTU}"]
+        else:
+            link = [f"link add up{g} mtu {MTU} type veth peer name dn{g} mtu {MTU}"]
+        lines += [
+            f"link add br{g} {bridge}",
+            *link,
+            f"link set up{g} master br{g}",
+            f"link set dn{g} master core",
+            f"link set br{g} up",
+            f"link set up{g} up",
+            f"link set dn{g} up",
+        ]
+    region_of_rank = [g for g, n in enumerate(spec.regions.values()) for _ in range(n)]
+    for rank, g in enumerate(region_of_rank):
+        lines += [
+            f"link add r{rank} mtu {MTU} type veth peer name {RANK_IFNAME} mtu {MTU} "
+            f"netns {rank_namespace(spec.name, rank)}",
+            f"link set r{rank} master br{g}",
+            f"link set r{rank} up",
+        ]
+    return lines
+
+
+def _qdisc_lines(spec: WanSpec, emulation: str | None, g: int) -> list[str]:
+    """tc lines adding the qdiscs that shape region g at spec's rates: egress of up<g> is the
+    region's uplink (towards the core), egress of dn<g> its downlink; under DELAY_NETEM a netem
+    qdisc above each tbf adds the link's delay."""
+    region = list(spec.regions)[g]
+    one_way = spec.link_delay_ms(region)
+    netem = emulation == DELAY_NETEM and one_way > 0
+    lines = []
+    for dev, mbit in ((f"up{g}", spec.mbit[region]), (f"dn{g}", spec.down(region))):
+        p = tbf_params(mbit, spec.max_rtt_ms if emulation != RATE_ONLY else 0.0)
+        tbf = f"tbf rate {p['rate']}bit burst {p['burst']} limit {p['limit']}"
+        if netem:
+            # netem first (root) and the shaper below it: the netem-wiki recipe. Its packet
+            # limit must not drop before tbf does: room for twice the frames of one delay
+            # plus a full tbf queue at this rate.
+            pkts = max(1000, int(2 * (p["rate"] / 8 * one_way / 1000 + p["limit"]) / 1500))
+            lines.append(f"qdisc add dev {dev} root handle 1: netem delay {one_way}ms limit {pkts}")
+            lines.append(f"qdisc add dev {dev} parent 1:1 handle 10: {tbf}")
+        else:
+            lines.append(f"qdisc add dev {dev} root handle 10: {tbf}")
+    return lines

@@ -42,6 +42,16 @@ DELAY_NETEM = "rate + delay (netem)"
 DELAY_LINE = "rate + delay (userspace delay line)"
 
 
+def wan_namespace(name: str) -> str:
+    """The namespace of emulator `name` that holds every bridge and shaped link."""
+    return f"{PREFIX}{name}-wan"
+
+
+def rank_namespace(name: str, rank: int) -> str:
+    """The namespace rank `rank` of emulator `name` runs in."""
+    return f"{PREFIX}{name}-r{rank}"
+
+
 def check_name(name: str) -> str:
     """`name` if it is a valid emulator name, else ValueError: it names namespaces and the state
     file, so it must be a plain name (no path separators, no '..')."""
@@ -150,6 +160,26 @@ class WanSpec:
     down_mbit: dict[str, float] | None = None
     """Rate of each region's WAN downlink where it differs from the uplink (asymmetric links)."""
 
+    @classmethod
+    def of(
+        cls,
+        regions: Mapping[str, int],
+        mbit: float | Mapping[str, float],
+        rtt_ms: float | Mapping[str, float] = 0.0,
+        name: str = DEFAULT_NAME,
+        down_mbit: float | Mapping[str, float] | None = None,
+    ) -> WanSpec:
+        """The spec of the arguments `Emulator` takes: each rate and the RTT either one number for
+        every region or one per region."""
+
+        def per_region(rate: float | Mapping[str, float]) -> dict[str, float]:
+            rates = dict.fromkeys(regions, rate) if isinstance(rate, (int, float)) else rate
+            return {r: float(v) for r, v in rates.items()}
+
+        down = None if down_mbit is None else per_region(down_mbit)
+        rtt = float(rtt_ms) if isinstance(rtt_ms, (int, float)) else per_region(rtt_ms)
+        return cls(dict(regions), per_region(mbit), rtt, name, down)
+
     def __post_init__(self) -> None:
         check_name(self.name)
         if not self.regions or len(self.regions) > 250:
@@ -203,6 +233,34 @@ class WanSpec:
     @property
     def max_rtt_ms(self) -> float:
         return max((self.share(r) for r in self.regions), default=0.0)
+
+    def delayed_regions(self) -> list[str]:
+        """The regions whose link adds delay (a share above 0)."""
+        return [r for r in self.regions if self.link_delay_ms(r) > 0]
+
+    def describe_rtt(self) -> str:
+        """The RTTs between regions in words: one figure when every pair has the same."""
+        shares = {self.share(r) for r in self.regions}
+        if len(shares) == 1:
+            return f"{shares.pop():g} ms RTT between regions"
+        regions = list(self.regions)
+        pairs = [(a, b) for i, a in enumerate(regions) for b in regions[i + 1 :]]
+        return "RTT " + ", ".join(f"{a}-{b} {self.pair_rtt_ms(a, b):g} ms" for a, b in pairs)
+
+    def describe_rates(self, region: str) -> str:
+        """Region's rates in Mbit/s in words: one figure when uplink and downlink are the same."""
+        up, down = self.mbit[region], self.down(region)
+        return f"{up:g}" if up == down else f"{up:g} up/{down:g} dn"
+
+    def with_rate(self, region: str, mbit: float, down_mbit: float | None = None) -> WanSpec:
+        """This spec with region's uplink at `mbit` and its downlink at `down_mbit` (default: the
+        same); down_mbit stays None while every region's links are symmetric."""
+        down = float(mbit if down_mbit is None else down_mbit)
+        rates = {**self.mbit, region: float(mbit)}
+        downs = None
+        if self.down_mbit is not None or down != float(mbit):
+            downs = {r: self.down(r) for r in self.regions} | {region: down}
+        return WanSpec(dict(self.regions), rates, self.rtt_ms, self.name, downs)
 
 
 def tbf_params(mbit: float, rtt_ms: float = 0.0) -> dict[str, int]:
