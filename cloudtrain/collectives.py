@@ -73,12 +73,42 @@ class Pending:
         return self._result()
 
     def error(self, e: BaseException, waited: float) -> CommError:
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return CommError(
-            f"cloudtrain: {self.stage} with ranks {self.peers} failed on rank {dist.get_rank()}"
-            f"{self.where} after {waited:.1f}s: {cause}. A peer may have died or stalled (timeout "
-            f"{self.timeout.total_seconds():g}s, CompressionConfig.timeout_s)."
+            collective_failure(
+                self.stage,
+                self.peers,
+                dist.get_rank(),
+                self.where,
+                waited,
+                e,
+                timeout_s=self.timeout.total_seconds(),
+            )
         )
+
+
+def collective_failure(
+    stage: str,
+    ranks: Sequence[int],
+    rank: int,
+    where: str,
+    seconds: float,
+    cause: BaseException,
+    *,
+    timeout_s: float,
+    knob: str = "CompressionConfig.timeout_s",
+    hint: str = "",
+) -> str:
+    """The text of a failed collective, one for every caller. It names the stage, its ranks,
+    this rank, `where` (such as " at step 3, bucket 0", or ""), the seconds waited, the first line
+    of the cause, and the timeout with the setting that changes it (`knob`). `hint`, a sentence
+    on what the caller must do, goes last."""
+    text = str(cause).strip()
+    first_line = text.splitlines()[0] if text else type(cause).__name__
+    return (
+        f"cloudtrain: {stage} with ranks {list(ranks)} failed on rank {rank}{where} after "
+        f"{seconds:.1f}s: {first_line}. A peer may have died or stalled, or did not reach the "
+        f"same call within {timeout_s:g} s ({knob}).{f' {hint}' if hint else ''}"
+    )
 
 
 def issue(
