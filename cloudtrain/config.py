@@ -123,14 +123,23 @@ class ControllerOptions:
     than the fastest rung (the time a step may give up for accuracy)."""
     ladder: tuple[tuple[str, Any], ...] = LADDER
     min_density: float = 0.01
-    """The accuracy guard: never send a sparser share of a shard than this (top-k 1 %): below
-    it error feedback holds back most of the gradient for many steps, and a link too slow for
-    it is better served by a deeper pipeline than by dropping more."""
+    """A floor under the quality guard: never send a sparser share of a shard than this
+    (top-k 1 %), whatever the guard measures: below it error feedback holds back most of the
+    gradient for many steps."""
     max_staleness: int = 1
     """The deepest pipeline the controller may choose when CompressionConfig.staleness is None
-    (a step's exchange applied up to this many steps late). 1 is Pipe-SGD's width-2 pipeline;
-    deeper ones cost accuracy with momentum SGD: the bench's digits MLP (SGD, momentum 0.9,
-    lr 0.05, top-k 1 %, 150 steps) reached 96.7 % at s = 0 and 1, 91.1 % at 2, 32.8 % at 4."""
+    (a step's exchange applied up to this many steps late), and only as deep as the quality
+    guard allows (docs/quality.md: with momentum a stale update is rarely safe). 1 is Pipe-SGD's
+    width-2 pipeline."""
+    quality_bound: float | None = 0.02
+    """The quality guard (cloudtrain.guard): the most a region's compression may change the
+    update a momentum of 0.9 integrates, as a squared relative error (0.02: about 14 %) before
+    its rung is lowered; None turns the guard off (the ceilings, then, are the cost model's)."""
+    drift_bound: float = 0.05
+    """The quality guard's test for a pipeline: the most the gradient may change per step, as a
+    squared relative change, for a one-step-stale update to stay close to the exact one."""
+    quality_sample: int = 4096
+    """Elements of each shard the quality guard measures, per packet."""
     initial_compute_s: float = 0.1
     """Compute time per step assumed until the first one is measured."""
     tensorboard_dir: str | None = None
@@ -146,6 +155,10 @@ class ControllerOptions:
         _number("initial_compute_s", self.initial_compute_s, 0, 3600, open_lo=True)
         _number("min_density", self.min_density, 0, 1)
         _number("max_staleness", self.max_staleness, 0, MAX_STALENESS, integer=True)
+        if self.quality_bound is not None:
+            _number("quality_bound", self.quality_bound, 0, 100, open_lo=True)
+        _number("drift_bound", self.drift_bound, 0, 100)
+        _number("quality_sample", self.quality_sample, 1, 2**24, integer=True)
         if not isinstance(self.ladder, tuple) or not self.ladder:
             raise ValueError("ladder: give at least one (codec, level) rung")
         for name, level in self.ladder:

@@ -67,7 +67,8 @@ import torch.distributed as dist
 
 from .compress import ErrorFeedback, RandomKey, ZstdGain, from_wire, to_wire
 from .config import CompressionConfig, ControllerOptions
-from .plan import Codecs, Plan, Rung
+from .guard import QualityGuard, QualitySums
+from .plan import Codecs, Plan, Rung, rung_density
 from .probe import probe
 from .stats import STAGES, Observations
 from .topology import Topology
@@ -111,19 +112,6 @@ def rung_bytes(
 
 def _default_codecs() -> Codecs:
     return Codecs(CompressionConfig())
-
-
-def rung_density(rung: Rung) -> float:
-    """Share of the elements a rung sends (1 for dense codecs): a composition's sparsifier
-    densities multiplied."""
-    name, level = rung
-    stages = name.split(">")
-    levels = level if isinstance(level, tuple) else (level,)
-    density = 1.0
-    for stage, value in zip(stages, levels, strict=False):
-        if stage.strip() in ("topk", "topk-sampled", "randomk"):
-            density *= float(value)
-    return density
 
 
 def exchange_seconds(
@@ -197,6 +185,7 @@ def plan_levels(
     none_seconds: float | None = None,
     codecs: Codecs | None = None,
     staleness: Sequence[int] = (0,),
+    ceilings: Sequence[int] | None = None,
 ) -> tuple[list[int], list[int], list[float]]:
     """Choose a ladder rung per sender region (pure function).
 
@@ -207,7 +196,9 @@ def plan_levels(
     extra_seconds: any other per-step cost of a rung (the dense reduction inside regions that
     only compressed rungs need); none_seconds: the measured time of the "none" rung's plain
     all-reduce, which then replaces its estimate; codecs: the run's (Codecs), so that bytes are
-    what will be sent; staleness: the pipeline depths allowed (each rung is timed at its best).
+    what will be sent; staleness: the pipeline depths allowed (each rung is timed at its best);
+    ceilings: by region, the most compressed rung the quality guard allows (cloudtrain.guard;
+    a region above its ceiling moves under it at once, without hysteresis).
 
     Latency before compression: a rung's time is its transfer (bytes / bandwidth + CPU + extra)
     plus the round trips the step waits for (`exchange_seconds`); a pipeline takes the round
@@ -215,7 +206,7 @@ def plan_levels(
     time is within the time the exchange can stay hidden behind compute (hidden_fraction x
     compute). When none fits, the lightest rung at most `slack` x compute_time slower than the
     fastest is taken: compressing harder is worth its accuracy only while it makes the step
-    faster. Rungs sparser than `min_density` are never taken (the accuracy guard). Returns
+    faster. Rungs sparser than `min_density` are never taken. Returns
     (rungs, streaks, budgets in bytes per step).
     """
     options = options or ControllerOptions()
@@ -236,8 +227,9 @@ def plan_levels(
     receivers = max(regions - 1, 1)
     current = list(current) if current is not None else [0] * regions
     streak = list(streak) if streak is not None else [0] * regions
-    if len(current) != regions or len(streak) != regions:
-        raise ValueError("current and streak need one entry per region")
+    ceilings = list(ceilings) if ceilings is not None else [len(ladder) - 1] * regions
+    if len(current) != regions or len(streak) != regions or len(ceilings) != regions:
+        raise ValueError("current, streak and ceilings need one entry per region")
     codecs = codecs or _default_codecs()
     sizes = [codecs.step_nbytes(r, shard_numels, receivers) for r in ladder]
     usable = options.hidden_fraction * compute_time
@@ -257,11 +249,13 @@ def plan_levels(
 
     def choose(flat: bool) -> tuple[list[int], list[int], list[float]]:
         rungs, streaks, budgets = [], [], []
-        for link, now, run in zip(links, current, streak, strict=True):
+        for link, now, run, top in zip(links, current, streak, ceilings, strict=True):
             times = [
-                math.inf if guard else seconds(size / link.bandwidth + c, link.rtt)
-                for size, c, guard in zip(sizes, cost, guarded, strict=True)
+                math.inf if guard or i > top else seconds(size / link.bandwidth + c, link.rtt)
+                for i, (size, c, guard) in enumerate(zip(sizes, cost, guarded, strict=True))
             ]
+            if now > top:  # the quality guard lowered the ceiling: under it now
+                now, run = top, 0
             if uncompressed:  # "none" through the hierarchy pays the dense reduction too
                 times[0] = seconds(sizes[0] / link.bandwidth + cost[0] + max(extra), link.rtt)
             if uncompressed and flat and 0 in staleness:
@@ -484,6 +478,14 @@ class Controller:
         self._pending: concurrent.futures.Future | None = None
         self.next_due = self.FIRST_DECISION
         self.interval = self.options.interval
+        # the quality guard's ceilings on compression and pipeline depth (cloudtrain.guard);
+        # a pinned staleness is the user's, not the guard's
+        self.guard = (
+            QualityGuard.start(self.options.ladder, regions)
+            if self.options.quality_bound is not None
+            else None
+        )
+        self.pinned_staleness = config.staleness is not None
         if topo.links is not None:
             self.seed_from_probe(topo.links, shard_numels)
 
@@ -536,7 +538,9 @@ class Controller:
             for b, t in zip(self.bandwidth, self.rtt, strict=True)
         ]
         compute, cpu = self.options.initial_compute_s, self.cpu_seconds(shard_numels)
-        depths = useful_depths(estimates, compute, self.options, self.allowed_staleness)
+        depths = self._guarded(
+            useful_depths(estimates, compute, self.options, self.allowed_staleness)
+        )
         self.rungs, self.streak, _ = plan_levels(
             estimates,
             compute,
@@ -545,6 +549,7 @@ class Controller:
             cpu_seconds=cpu,
             codecs=self.codecs,
             staleness=depths,
+            ceilings=None if self.guard is None else self.guard.ceilings,
         )
         self.staleness = plan_staleness(
             estimates,
@@ -589,6 +594,8 @@ class Controller:
             "stage_seconds": dict(seen.stage_s),
             "zstd": list(seen.zstd),
         }
+        if seen.quality is not None and seen.quality.steps:
+            mine["quality"] = dataclasses.astuple(seen.quality)
         self._pending = self._pool.submit(self._gather, step, mine, list(shard_numels), ran)
         self.next_due = step + self.interval
         self._write_metrics(step, wan_bytes_sent)
@@ -629,8 +636,14 @@ class Controller:
         zstd = record.get("zstd", [False] * len(rungs))  # (a decision saved before zstd was)
         changed = changed or zstd != self.zstd
         self.zstd = zstd
+        if record.get("guard") is not None:
+            self.guard = QualityGuard.from_state(record["guard"])
         self.history.append(record)
-        if changed and self.topo.rank == 0:  # one line per change, not one per rank
+        if self.topo.rank != 0:  # one line per change, not one per rank
+            return
+        for note in record.get("guard_notes", ()):
+            log.warning("cloudtrain: step %d: quality guard: %s", step, note)
+        if changed:
             log.warning(
                 "cloudtrain: step %d: %s (decided from the steps before %d)",
                 step,
@@ -648,6 +661,25 @@ class Controller:
     def close(self) -> None:
         self._pool.shutdown(wait=False)
 
+    def _guarded(self, depths: Sequence[int], guard: QualityGuard | None = None) -> tuple[int, ...]:
+        """The pipeline depths the quality guard allows of `depths` (all of a pinned one)."""
+        guard = guard or self.guard
+        if guard is None or self.pinned_staleness:
+            return tuple(depths)
+        return tuple(d for d in depths if d <= guard.max_staleness) or (min(depths),)
+
+    def _quality(self, gathered: list[Any]) -> list[QualitySums]:
+        """Each region's quality measurement: the sums of its shard owners' probes."""
+        reports = []
+        for members in self.topo.members:
+            total = QualitySums()
+            for rank in members:
+                sums = gathered[rank].get("quality")
+                if sums is not None:
+                    total = total + QualitySums(*sums)
+            reports.append(total)
+        return reports
+
     def _measured_best(
         self,
         step: int,
@@ -658,6 +690,8 @@ class Controller:
         staleness: int,
         bandwidth: float,
         compute_time: float,
+        ceilings: Sequence[int] = (),
+        depths: Sequence[int] = (),
     ) -> tuple[list[int], list[int], int]:
         """A rung that does not make the step faster is never taken - checked against what was
         measured, not only the model: the whole step time of every plan run lately (median over
@@ -676,7 +710,13 @@ class Controller:
             for plan, m in self.measured_steps.items()
             if 0.5 <= m[1] / bandwidth <= 2 and 0.5 <= m[2] / compute_time <= 2
         }
-        best = faster_measured(self.measured_steps, (tuple(rungs), staleness))
+        allowed = {
+            plan: m
+            for plan, m in self.measured_steps.items()
+            if self.guard is None
+            or (all(r <= c for r, c in zip(plan[0], ceilings, strict=True)) and plan[1] in depths)
+        }
+        best = faster_measured(allowed, (tuple(rungs), staleness))
         if best is None:
             return rungs, streak, staleness
         return list(best[0]), [0] * len(rungs), best[1]
@@ -766,31 +806,47 @@ class Controller:
             self.unmodelled_s = _smoothed(unmodelled, self.unmodelled_s, opts.ewma)
         lossy = overhead + (self.unmodelled_s or 0.0)
         extra = [0.0 if name == "none" else lossy for name, _ in opts.ladder]
+        cpu = self.cpu_seconds(shard_numels)
+
+        def levels(ceilings: Sequence[int] | None, depths: Sequence[int]) -> tuple:
+            rungs, streak, budgets = plan_levels(
+                links,
+                compute_time,
+                shard_numels,
+                self.rungs,
+                self.streak,
+                opts,
+                cpu,
+                extra,
+                self.allreduce_s,
+                self.codecs,
+                depths,
+                ceilings,
+            )
+            staleness = plan_staleness(
+                links, compute_time, shard_numels, rungs, opts, cpu, extra, self.allreduce_s,
+                self.codecs, depths,
+            )  # fmt: skip
+            return rungs, streak, budgets, staleness
+
         depths = useful_depths(links, compute_time, opts, self.allowed_staleness)
-        rungs, streak, budgets = plan_levels(
-            links,
-            compute_time,
-            shard_numels,
-            self.rungs,
-            self.streak,
-            opts,
-            self.cpu_seconds(shard_numels),
-            extra,
-            self.allreduce_s,
-            self.codecs,
-            depths,
-        )
-        staleness = plan_staleness(
-            links,
-            compute_time,
-            shard_numels,
-            rungs,
-            opts,
-            self.cpu_seconds(shard_numels),
-            extra,
-            self.allreduce_s,
-            self.codecs,
-            depths,
+        guard, notes = self.guard, []
+        if guard is not None:  # what the links want, then what the quality guard allows of it
+            wanted, _, _, wanted_staleness = levels(None, depths)
+            guard = QualityGuard.from_state(guard.state_dict())  # the decision carries it
+            notes = guard.decide(
+                self._quality(gathered),
+                ran[0],
+                ran[1],
+                wanted,
+                wanted_staleness,
+                opts.quality_bound,
+                opts.drift_bound,
+                opts.patience,
+            )
+            depths = self._guarded(depths, guard)
+        rungs, streak, budgets, staleness = levels(
+            None if guard is None else guard.ceilings, depths
         )
         # a shallower pipeline one step at a time: each change of depth applies two steps'
         # gradients at once (or none), so it should not flap
@@ -798,7 +854,16 @@ class Controller:
         steps = sorted(s for g in gathered for s in g.get("steps", []))
         step_s = steps[len(steps) // 2] if steps else None  # the interval's median step
         rungs, streak, staleness = self._measured_best(
-            step, step_s, ran, rungs, streak, staleness, slowest, compute_time
+            step,
+            step_s,
+            ran,
+            rungs,
+            streak,
+            staleness,
+            slowest,
+            compute_time,
+            () if guard is None else guard.ceilings,
+            depths,
         )
         zstd = self._zstd(gathered, ran[0], rungs, staleness, links)
         names = self.topo.regions
@@ -834,6 +899,8 @@ class Controller:
                 sum(len(g["received"].get(r, [])) for g in gathered) for r in range(len(links))
             ],
             "text": text,
+            "guard": None if guard is None else guard.state_dict(),
+            "guard_notes": notes,
         }
         return rungs, streak, bandwidth, compute_time, reprobe, record
 
@@ -905,6 +972,7 @@ class Controller:
                 for (rungs, staleness), m in self.measured_steps.items()
             ],
             "history": list(self.history),
+            "guard": None if self.guard is None else self.guard.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -937,6 +1005,47 @@ class Controller:
             for rungs, staleness, took, bandwidth, compute in state.get("measured_steps", [])
         }
         self.history = list(state["history"])
+        if self.guard is not None and state.get("guard") is not None:
+            self.guard = QualityGuard.from_state(state["guard"])
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the controller believes and decided last, by region name: the link estimates,
+        the plan in force, and the quality guard's measurements and ceilings (the same on every
+        rank: decisions are broadcast). For CloudDDP.stats()."""
+        names, ladder = self.topo.regions, self.options.ladder
+        out: dict[str, Any] = {
+            "links": {
+                name: {
+                    "bandwidth_mbit": None if b is None else 8 * b / 1e6,
+                    "rtt_ms": 1000 * rtt,
+                }
+                for name, b, rtt in zip(names, self.bandwidth, self.rtt, strict=True)
+            },
+            "plan": {
+                name: _describe(ladder[r]) + (" + zstd" if z else "")
+                for name, r, z in zip(names, self.rungs, self.zstd, strict=True)
+            },
+            "staleness": self.staleness,
+            "guard": None,
+        }
+        if self.guard is not None:
+            last = self.guard.last
+            out["guard"] = {
+                "ceiling": {
+                    name: _describe(ladder[c])
+                    for name, c in zip(names, self.guard.ceilings, strict=True)
+                },
+                "max_staleness": self.guard.max_staleness,
+                "compression_error": dict(
+                    zip(names, last.get("compression", [None] * len(names)), strict=True)
+                ),
+                "update_error": dict(
+                    zip(names, last.get("error", [None] * len(names)), strict=True)
+                ),
+                "drift": dict(zip(names, last.get("drift", [None] * len(names)), strict=True)),
+                "keeps_quality_over_speed": any(last.get("limits_speed", ())),
+            }
+        return out
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -38,6 +38,7 @@ from .collectives import (
     reduce_scatter_single,
 )
 from .compress import ErrorFeedback, Expected, RandomKey, cut, from_wire, to_wire, wire_zstd_gain
+from .guard import QualityProbe
 from .plan import ZSTD_LEVEL, Codecs, Plan
 from .stats import TRIAL_BYTES, CommStats, Observer
 from .topology import Topology
@@ -107,7 +108,7 @@ class _Received:
 class CrossRegion:
     """The data path's state across steps: topology, codecs, error feedback, counters."""
 
-    __slots__ = ("codecs", "config", "ef", "observer", "stats", "timeout", "topo")
+    __slots__ = ("codecs", "config", "ef", "observer", "probe", "stats", "timeout", "topo")
 
     def __init__(
         self,
@@ -117,6 +118,7 @@ class CrossRegion:
         ef: ErrorFeedback | None,
         stats: CommStats,
         observer: Observer | None = None,
+        probe: QualityProbe | None = None,
     ) -> None:
         self.config = config
         self.topo = topo
@@ -124,6 +126,7 @@ class CrossRegion:
         self.ef = ef
         self.stats = stats
         self.observer = observer  # set: time every packet's arrival (the controller's estimate)
+        self.probe = probe  # set: measure how far each packet's update is from the exact one
         self.timeout = config.timeout
 
     def reduce_bucket(
@@ -236,18 +239,38 @@ class CrossRegion:
         codec = self.codecs(name)
         key = RandomKey(self.config.seed, step, bucket, me)
         zstd = ZSTD_LEVEL if plan.zstd_for(me) else None
+        sampled = self._sample(ef_key, x, valid)
         with self.stats.timed("encode"):
             if self.ef is not None:
                 packet = self.ef.encode(ef_key, x, codec, level, key, valid=valid)
             else:
                 packet = codec.encode(x, level, key)
             wire = to_wire(packet, zstd)
+        if sampled is not None:
+            with self.stats.timed("guard"):
+                at, exact, before = sampled
+                after = self.ef.residuals.get(ef_key) if self.ef is not None else None
+                after = None if after is None else after[at]
+                self.probe.observe(ef_key, step, plan.staleness, exact, before, after)
         if self.observer is not None and self.observer.zstd_trial_due():
             plain = wire if zstd is None else to_wire(packet)
             sample = min(plain.numel(), TRIAL_BYTES // 4)
             gain = wire_zstd_gain(plain, ZSTD_LEVEL, sample_bytes=sample)
             self.observer.zstd_tried(gain, sample)
         return wire
+
+    def _sample(
+        self, ef_key: Any, x: torch.Tensor, valid: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """With a quality probe: its positions of this packet stream, the exact gradient there
+        and the residual there before encoding (which rewrites the residual in place)."""
+        if self.probe is None:
+            return None
+        with self.stats.timed("guard"):
+            at = self.probe.positions(ef_key, min(valid, x.numel())).to(x.device)
+            residual = self.ef.residuals.get(ef_key) if self.ef is not None else None
+            before = None if residual is None else residual[at].clone()
+            return at, x[at].clone(), before
 
     def swap(
         self,

@@ -195,8 +195,12 @@ class CloudDDP(DistributedDataParallel):
 
     def stats(self) -> CommStats:
         """A copy of this rank's counters: steps, buckets, bytes sent to other regions on every
-        path, seconds per stage (cloudtrain.stats)."""
-        return self.comm.stats.copy()
+        path, seconds per stage (cloudtrain.stats); with "auto" also what the controller believes
+        and decided (`CommStats.controller`: link estimates, plan, the quality guard)."""
+        stats = self.comm.stats.copy()
+        if self.comm.controller is not None:
+            stats.controller = self.comm.controller.snapshot()
+        return stats
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
         raise RuntimeError(

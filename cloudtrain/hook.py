@@ -40,6 +40,7 @@ from .compress import ErrorFeedback
 from .compress.codecs import all_finite
 from .config import AUTO, CompressionConfig
 from .datapath import CrossRegion
+from .guard import QualityProbe
 from .layout import BucketLayouts, Unit
 from .pipeline import Pipeline
 from .plan import NONE, Codecs, Plan
@@ -88,6 +89,7 @@ class CommState:
         "path",
         "pipeline",
         "plan",
+        "probe",
         "region_only",
         "stats",
         "step",
@@ -128,7 +130,12 @@ class CommState:
             device = self.params[0].device if self.params else "cpu"
             self.controller = Controller(config, topo, self.codecs, self.shard_numels(), device)
         timed = self.observer if self.controller is not None else None
-        self.path = CrossRegion(config, topo, self.codecs, self.ef, self.stats, timed)
+        self.probe = (
+            QualityProbe(config.controller.quality_sample)
+            if self.controller is not None and self.controller.guard is not None
+            else None
+        )
+        self.path = CrossRegion(config, topo, self.codecs, self.ef, self.stats, timed, self.probe)
         self.pipeline = Pipeline()
         self.plan = self._first_plan()
         self._first_of_step = True
@@ -330,6 +337,8 @@ class CommState:
             self.verify_replicas()
         if self.controller is not None and self.controller.due(self.step):
             seen = self.observer.take(self.stats)
+            if self.probe is not None:
+                seen.quality = self.probe.take()
             self.plan = self.controller.decide(
                 self.step, seen, self.shard_numels(), self.stats.wan_bytes_sent
             )
@@ -475,6 +484,7 @@ class CommState:
             "controller": None if self.controller is None else self.controller.state_dict(),
             "stats": self.stats.state_dict(),
             "pipeline": self.pipeline.state_dict(),
+            "quality_probe": None if self.probe is None else self.probe.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -503,6 +513,8 @@ class CommState:
         device = self.params[0].device if self.params else "cpu"
         self.pipeline.load_state_dict(state.get("pipeline", []), device)
         self.observer.reset()
+        if self.probe is not None and state.get("quality_probe") is not None:
+            self.probe.load_state_dict(state["quality_probe"])
         if self.controller is not None and state.get("controller") is not None:
             self.controller.load_state_dict(state["controller"])
             self.plan = self.controller.plan()

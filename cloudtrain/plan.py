@@ -87,3 +87,16 @@ class Codecs:
         """Bytes a sender puts on its link per step at this rung: its packet for every bucket's
         shard, once per receiving region."""
         return receivers * sum(self.wire_nbytes(rung, m) for m in shard_numels)
+
+
+def rung_density(rung: Rung) -> float:
+    """Share of the elements a rung sends (1 for dense codecs): a composition's sparsifier
+    densities multiplied."""
+    name, level = rung
+    stages = name.split(">")
+    levels = level if isinstance(level, tuple) else (level,)
+    density = 1.0
+    for stage, value in zip(stages, levels, strict=False):
+        if stage.strip() in ("topk", "topk-sampled", "randomk"):
+            density *= float(value)
+    return density

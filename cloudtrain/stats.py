@@ -26,7 +26,7 @@ TRIAL_BYTES = 1 << 20
 """Bytes of packets the zstd stage is tried on per decision interval (a quarter of them at most
 from one packet, sampled across it): a few ms of CPU."""
 
-STAGES = ("allreduce", "intra_reduce", "encode", "exchange", "decode", "intra_gather")
+STAGES = ("allreduce", "intra_reduce", "encode", "exchange", "decode", "intra_gather", "guard")
 """Stages of a bucket's path, as timed in CommStats.seconds."""
 
 
@@ -44,6 +44,10 @@ class CommStats:
     """Steps whose gradients crossed regions as packets (the rest: plain all-reduce)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Seconds spent in each stage (STAGES), this process only (not restored on resume)."""
+    controller: dict[str, Any] | None = None
+    """With "auto": what the controller believes and decided last - each region's link
+    estimate, the plan in force and the quality guard's measurements and ceilings
+    (`Controller.snapshot`); filled by `CloudDDP.stats()`."""
 
     def copy(self) -> CommStats:
         return copy.deepcopy(self)
@@ -99,6 +103,9 @@ class Observations:
     """The zstd stage tried on this rank's own packets at the rung its region sent with: ratio,
     encode and decode seconds per byte (ZstdGain) and the bytes tried, up to TRIAL_BYTES per
     interval."""
+    quality: Any = None
+    """The quality probe's sums over the interval (cloudtrain.guard.QualitySums), on shard
+    owners."""
 
 
 class Observer:

@@ -37,9 +37,7 @@ import json
 import math
 import os
 import sys
-import sysconfig
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -48,65 +46,7 @@ from torch import nn
 from tqdm import tqdm
 
 import cloudtrain
-
-
-def stdlib_text(chars: int) -> str:
-    """The stdlib's top-level .py files in sorted order, concatenated, cut at `chars`."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        parts.append(text)
-        total += len(text)
-        if total >= chars:
-            break
-    if not parts:
-        raise SystemExit(f"no .py files in {root}: this Python ships its stdlib without sources")
-    return "".join(parts)[:chars]
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)  # each (b, t, d)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, t, d / heads)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
-
-
-class CharLM(nn.Module):
-    def __init__(self, vocab: int, block: int, d: int, layers: int, heads: int) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(block, d)
-        self.blocks = nn.Sequential(*(Block(d, heads) for _ in range(layers)))
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.tok.weight  # tied, as in GPT-2
-        for m in self.modules():  # GPT-2's init: small weights keep the first logits near uniform
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))  # (b, t, d)
-        return self.head(self.ln(self.blocks(x)))  # (b, t, vocab)
-
-
-def windows(data: torch.Tensor, starts: torch.Tensor, block: int):
-    """Inputs and next-character targets at `starts`: two (len(starts), block) tensors."""
-    rows = starts[:, None] + torch.arange(block + 1)  # (n, block + 1)
-    chunk = data[rows]
-    return chunk[:, :-1], chunk[:, 1:]
+from cloudtrain.tools.data import CharLM, stdlib_text, windows
 
 
 def wrap(

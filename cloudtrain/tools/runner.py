@@ -1,0 +1,258 @@
+"""One benchmark run: every rank of one method on one workload, launched on loopback or in the
+emulated network, and its worker (`python -m cloudtrain.tools.bench --worker ...`).
+
+    run = run_method("cloud-auto", args, wan, ["us", "us", "eu", "eu"], progress)
+
+A method is plain DDP ("ddp", or "ddp-loopback" beside an emulated network), PyTorch's fp16 or
+PowerSGD hook, no communication at all ("compute"), or "cloud-<preset>": CloudDDP with any preset
+(or codec spec) and `--overrides` (CompressionConfig fields as JSON). Rank 0 prints a JSON line
+per step and a last `RESULT {json}`; the driver reads them, and the bytes that crossed the
+emulated links from their interface counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+LOOPBACK = ("compute", "ddp-loopback")
+"""Methods run on loopback, beside the emulated network: the floor and the baseline."""
+UNSHAPED_MBIT = 1e5
+"""What "unshaped" puts on the region links: beyond anything two cores can send."""
+
+
+def _wrap(method: str, model, world: int, opt=None, overrides: dict | None = None):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    import cloudtrain
+
+    if method == "compute":
+        return model
+    if method in ("ddp", "ddp-loopback"):
+        return DistributedDataParallel(model)
+    if method == "fp16":
+        ddp = DistributedDataParallel(model)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return ddp
+    if method == "powersgd":
+        # One bucket: PowerSGD's hook issues collectives from callbacks, which fails on gloo
+        # with several buckets in flight ("Received data size doesn't match expected size").
+        ddp = DistributedDataParallel(model, bucket_cap_mb=1024)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=dist.group.WORLD, matrix_approximation_rank=2, start_powerSGD_iter=10
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return ddp
+    config = cloudtrain.CompressionConfig.resolve(
+        method.removeprefix("cloud-"), **(overrides or {})
+    )
+    return cloudtrain.CloudDDP(model, config, optimizer=opt)  # the outer loop hooks opt.step()
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One rank: train, print JSON lines (progress, then the result) on rank 0."""
+    import torch
+
+    import cloudtrain
+    from cloudtrain.tools.workloads import WORKLOADS
+
+    torch.set_num_threads(1)
+    if args.method == "compute":  # no process group: nothing but this rank's own work
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    else:
+        cloudtrain.init()
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+    options = {"hidden": args.hidden, "lr": args.lr} if args.workload == "bench-mlp" else {}
+    per_rank = args.batch // world if args.workload == "bench-mlp" else None
+    trainer = WORKLOADS[args.workload].build(args.seed, per_rank, **options)
+    model, opt = trainer.model, trainer.optimizer
+    overrides = json.loads(args.overrides) if args.overrides else {}
+    ddp = _wrap(args.method, model, world, opt, overrides)
+    step_times, curve = [], []
+    trained = 0.0
+    for step in range(args.steps):
+        x, y = trainer.batch(rank, world)
+        trainer.set_lr(step, args.steps)
+        t0 = time.perf_counter()
+        loss = trainer.loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step + 1 == args.steps and hasattr(ddp, "finish_outer"):
+            ddp.finish_outer()  # an outer loop's last sync: the replicas become one model
+        took = time.perf_counter() - t0
+        step_times.append(took)
+        trained += took
+        if rank == 0:
+            line = {"step": step + 1, "ms": 1000 * took}
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                quality = trainer.evaluate(model)
+                curve.append((trained, quality))
+                line["acc"] = quality
+            print(json.dumps(line), flush=True)
+    if rank == 0:
+        result: dict[str, Any] = {
+            "step_times": step_times,
+            "curve": curve,
+            "loss": loss.item(),
+            "metric": trainer.metric,
+        }
+        comm = getattr(ddp, "comm", None)
+        if comm is not None:
+            stats = ddp.stats()
+            result["wan_bytes_reported"] = stats.wan_bytes_sent
+            seconds = stats.seconds.items()
+            result["comm_ms_per_step"] = {k: 1000 * v / args.steps for k, v in seconds}
+            outer = getattr(ddp, "outer", None)
+            if outer is not None and outer.schedule is not None:  # the outer loop's choice
+                sched = outer.schedule
+                codecs = ", ".join(f"{n}:{lv}" for n, lv in sched.rungs)
+                result["plans"] = [(outer.step, [f"every {sched.sync_every} steps, {codecs}"])]
+                result["staleness"] = [outer.outer.overlap]
+            elif comm.controller is not None:
+                history = comm.controller.history
+                result["plans"] = [(h["step"], h["levels"]) for h in history]
+                result["decisions"] = [h["text"] for h in history]
+                result["staleness"] = sorted(
+                    {h["staleness"] for h in history} | {comm.plan.staleness}
+                )
+            else:
+                result["plans"] = [(0, [f"{n}:{lv}" for n, lv in comm.plan.senders])]
+                result["staleness"] = [comm.plan.staleness]
+        print("RESULT " + json.dumps(result), flush=True)
+    if args.method != "compute":
+        import torch.distributed as dist
+
+        if isinstance(ddp, cloudtrain.CloudDDP):
+            ddp.close()  # its background collectives (a decision on its way) finish
+        dist.barrier()  # every rank's last collective is done
+        # Leave without tearing gloo down: now and then one rank of four was killed by SIGABRT
+        # in process-group teardown at exit (plain DDP's PowerSGD run as well as CloudDDP's),
+        # after its work was done. Nothing is left to flush but our own streams.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+# -- the driver -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    method: str
+    step_ms: float
+    wan_bytes: int | None
+    accuracy: float
+    curve: list
+    plans: list | None
+    step_times: list
+    comm_ms: dict | None = None
+    decisions: list | None = None
+    staleness: list | None = None
+    metric: str = "accuracy"
+    """What `accuracy` holds: "accuracy", or "loss" for a language model's workload."""
+
+
+def worker_argv(method: str, args: argparse.Namespace) -> list[str]:
+    return [
+        sys.executable, "-m", "cloudtrain.tools.bench", "--worker", "--method", method,
+        "--steps", str(args.steps), "--hidden", str(args.hidden), "--batch", str(args.batch),
+        "--lr", str(args.lr), "--seed", str(args.seed), "--eval-every", str(args.eval_every),
+        "--workload", args.workload, *(["--overrides", args.overrides] if args.overrides else []),
+    ]  # fmt: skip
+
+
+_RUNS = itertools.count()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(
+    method: str, args: argparse.Namespace, wan: Any, regions: list[str]
+) -> list[subprocess.Popen]:
+    world = len(regions)
+    # in the emulated network a port of its own per run (a port just closed may still be held)
+    port = str(_free_port() if wan is None else 29600 + next(_RUNS) % 400)
+    procs = []
+    for rank in range(world):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+               "CLOUDTRAIN_REGION": regions[rank], "PYTHONWARNINGS": "ignore",
+               # c10d warns on every connection that namespace addresses have no host name
+               "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+               "PYTHONFAULTHANDLER": "1"}  # fmt: skip
+        out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
+        if wan is None or method in LOOPBACK:
+            full = {**os.environ, "MASTER_ADDR": "127.0.0.1", **env}
+            procs.append(
+                subprocess.Popen(worker_argv(method, args), env=full, stdout=out, text=True)
+            )
+        else:
+            procs.append(wan.popen(rank, worker_argv(method, args), env=env, stdout=out, text=True))
+    return procs
+
+
+def run_method(
+    method: str,
+    args: argparse.Namespace,
+    wan: Any,
+    regions: list[str],
+    progress: Any,
+    drop: Any = None,
+) -> Run:
+    procs = _launch(method, args, wan, regions)
+    result, before = None, None
+    for line in procs[0].stdout:
+        if line.startswith("RESULT "):
+            result = json.loads(line[7:])
+            continue
+        try:
+            info = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        progress.update(1)
+        if wan is not None and info.get("step") == args.warmup:
+            before = wan.counters()  # steady state only: not the start-up broadcasts
+        if drop is not None and info.get("step") == args.drop_at:
+            drop()
+    codes = [p.wait(timeout=600) for p in procs]
+    if result is None or any(codes):
+        raise SystemExit(
+            f"cloudtrain bench: {method} failed (exit codes {codes}); run it alone to see why"
+        )
+    wan_bytes = None
+    if wan is not None and method not in LOOPBACK and before is not None:
+        after = wan.counters()
+        wan_bytes = sum(after[r]["tx_bytes"] - before[r]["tx_bytes"] for r in after)
+    times = result["step_times"][args.warmup :]
+    return Run(
+        method,
+        1000 * statistics.median(times),
+        wan_bytes,
+        result["curve"][-1][1],
+        result["curve"],
+        result.get("plans"),
+        result["step_times"],
+        result.get("comm_ms_per_step"),
+        result.get("decisions"),
+        result.get("staleness"),
+        result.get("metric", "accuracy"),
+    )
