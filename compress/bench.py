@@ -21,7 +21,7 @@ the copy `dst.copy_(x)` of the same n fp32 elements measured in the same run:
 is met.
 
 zstd gain per codec (`zstd`): for each rung of the controller's ladder (LADDER) and zstd levels
-1 and 3, `packet.zstd_gain` on a sample gradient - the wire ratio without/with the zstd stage,
+1 and 3, `zstd.zstd_gain` on a sample gradient - the wire ratio without/with the zstd stage,
 its CPU cost in ns per byte (compress on the sender, decompress per receiver), and the link
 speed below which the stage pays (`pays_below_mbit`: saved link time = CPU time, one receiver).
 The sample is heavy-tailed synthetic noise, or real gradients saved with torch.save (a tensor, or
@@ -48,8 +48,8 @@ import torch
 from . import ops, reference
 from .codecs import parse_spec
 from .feedback import ErrorFeedback
-from .packet import zstd_gain
 from .rng import RandomKey
+from .zstd import zstd_gain
 
 CASES = [
     "none",

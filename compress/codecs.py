@@ -49,7 +49,7 @@ import torch
 
 from . import ops, reference
 from .indices import IndexDecodeError, decode_indices, encode_indices, index_nbytes
-from .packet import Layout, Packet, PacketError, layout_nbytes, wire_nbytes
+from .packet import Packet, PacketError, PartLayout, layout_nbytes, wire_nbytes
 from .rng import RandomKey
 
 
@@ -171,7 +171,7 @@ class Codec(ABC):
 
     # -- sizes --------------------------------------------------------------------------------
     @abstractmethod
-    def layout(self, numel: int, level: Level, dtype: torch.dtype = torch.float32) -> Layout:
+    def layout(self, numel: int, level: Level, dtype: torch.dtype = torch.float32) -> PartLayout:
         """The packet's parts, (dtype, count) each, for an input of numel elements of dtype."""
 
     def nbytes(self, numel: int, level: Level = None, dtype: torch.dtype = torch.float32) -> int:
@@ -272,7 +272,7 @@ class Cast(Codec):
     wire_dtype: ClassVar[torch.dtype | None] = None
     """The dtype on the wire; None: the input's."""
 
-    def layout(self, numel: int, level: Level, dtype: torch.dtype = torch.float32) -> Layout:
+    def layout(self, numel: int, level: Level, dtype: torch.dtype = torch.float32) -> PartLayout:
         return ((self.wire_dtype or dtype, numel),)
 
     def _encode(self, x, level, key):
@@ -331,7 +331,7 @@ class Grouped(Codec):
     def bits(self, level: Level) -> int:
         """Bits per code at this level."""
 
-    def layout(self, numel: int, level: Level, dtype: torch.dtype = torch.float32) -> Layout:
+    def layout(self, numel: int, level: Level, dtype: torch.dtype = torch.float32) -> PartLayout:
         groups = reference.num_groups(numel, self.group_size)
         codes = (numel * self.bits(level) + 7) // 8
         return ((torch.uint8, codes), (torch.float32, groups), (torch.float32, groups))
@@ -545,7 +545,7 @@ class Sparse(Codec):
         densities, _ = self._split(self.check_level(level))
         return self._ks(numel, densities)[-1]
 
-    def layout(self, numel: int, level: Level, dtype: torch.dtype = torch.float32) -> Layout:
+    def layout(self, numel: int, level: Level, dtype: torch.dtype = torch.float32) -> PartLayout:
         densities, vlevel = self._split(level)
         parts, m = [], numel
         for stage, k in zip(self.stages, self._ks(numel, densities), strict=True):
