@@ -1,6 +1,6 @@
 """cloudtrain.compress - gradient codecs, error feedback and the packet wire format.
 
-Pure tensor math, no torch.distributed. Start with `make_codec` / `parse_spec` (codecs.py), wrap
+Pure tensor math, no torch.distributed. Start with `make_codec` / `parse_spec` (codecs/), wrap
 with `ErrorFeedback` (feedback.py), and move packets with `to_wire` / `from_wire` (packet.py);
 `zstd_gain` (zstd.py) says whether the packets' zstd stage pays on a link. `register_codec` adds
 a codec of your own.

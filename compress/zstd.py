@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codecs import Codec, Level
+from .codecs.base import Codec, Level
 from .packet import HEADER_NBYTES, to_wire, zstd_frame
 from .rng import RandomKey
 
