@@ -3,7 +3,7 @@
 Pure tensor math, no torch.distributed. Start with `make_codec` / `parse_spec` (codecs/), wrap
 with `ErrorFeedback` (feedback.py), and move packets with `to_wire` / `from_wire` (packet.py);
 `zstd_gain` (zstd.py) says whether the packets' zstd stage pays on a link. `register_codec` adds
-a codec of your own.
+a codec of your own. ladders.py holds the ladders of codecs the core's controllers climb.
 `reference.py` is the pure-PyTorch oracle of every hot operation; `bench.py` measures them:
 
     python -m cloudtrain.compress.bench --json
