@@ -297,7 +297,7 @@ def bench_ops(n: int, device: torch.device, budget_s: float) -> tuple[list[dict]
     return rows, targets
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
     parser.add_argument(
@@ -317,7 +317,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON document instead of a table"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     device = torch.device(args.device)
     rows, op_rows, targets, zstd_rows = [], [], [], []
     if not args.skip_zstd:
@@ -351,7 +355,13 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.json:
         print(json.dumps(report, indent=1))
-        return
+    else:
+        print_tables(report, device)
+
+
+def print_tables(report: dict, device: torch.device) -> None:
+    """The report as text tables: codecs, native ops and their targets, zstd gain."""
+    rows, op_rows, targets, zstd_rows = (report[k] for k in ("rows", "ops", "targets", "zstd"))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads - {report['unit']}")
     if rows:
         print(f"{'n':>10} {'case':32} {'encode':>8} {'enc+EF':>8} {'decode':>8} {'ratio':>8}")
