@@ -25,6 +25,7 @@ import torch
 
 from .compress import Codec, feedback, parse_spec
 from .compress.codecs import NONFINITE, ROUNDINGS, CodecKind, make_codec
+from .compress.ladders import LADDER
 
 AUTO = "auto"
 
@@ -91,18 +92,6 @@ def _number(
 
 MAX_STALENESS = 16
 """The most steps an exchange may be applied late."""
-
-LADDER: tuple[tuple[str, Any], ...] = (
-    ("none", None),
-    ("bf16", None),
-    ("quant", 8),
-    ("quant", 4),
-    ("topk>quant", (0.1, 8)),
-    ("topk>quant", (0.01, 8)),
-    ("topk>quant", (0.001, 8)),
-    ("topk>quant", (0.0001, 8)),
-)
-"""Rungs from no compression to the most; each is (codec name, level)."""
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from .collectives import CommError
 from .compress import ErrorFeedback
+from .compress.ladders import OUTER_LADDER
 from .config import AUTO, CompressionConfig, OuterConfig
 from .datapath import CrossRegion, Shard
 from .plan import Codecs, Plan, Rung
@@ -61,17 +62,6 @@ OUTER_STATE_FORMAT = 1
 
 SYNC_CHOICES = (5, 10, 20, 50, 100, 200, 500, 1000)
 """Values of H that sync_every="auto" picks from, smallest (best quality) first."""
-
-OUTER_LADDER: tuple[Rung, ...] = (
-    ("none", None),
-    ("bf16", None),
-    ("quant", 8),
-    ("quant", 4),
-    ("topk>quant", (0.1, 4)),
-    ("topk>quant", (0.02, 2)),
-)
-"""Codecs of the pseudo-gradients, least compressed first; the last is SparseLoCo's kind
-(top-k + 2-bit with error feedback)."""
 
 STALL_SHARE = 0.1
 """Without overlap: the share of the compute between two syncs an exchange may stall."""

@@ -1,8 +1,10 @@
 """cloudtrain.compress - gradient codecs, error feedback and the packet wire format.
 
-Pure tensor math, no torch.distributed. Start with `make_codec` / `parse_spec` (codecs.py), wrap
-with `ErrorFeedback` (feedback.py), and move packets with `to_wire` / `from_wire` (packet.py).
-`register_codec` adds a codec of your own. `reference.py` is the pure-PyTorch oracle of every hot operation; `bench.py` measures them:
+Pure tensor math, no torch.distributed. Start with `make_codec` / `parse_spec` (codecs/), wrap
+with `ErrorFeedback` (feedback.py), and move packets with `to_wire` / `from_wire` (packet.py);
+`zstd_gain` (zstd.py) says whether the packets' zstd stage pays on a link. `register_codec` adds
+a codec of your own. ladders.py holds the ladders of codecs the core's controllers climb.
+`reference.py` is the pure-PyTorch oracle of every hot operation; `bench.py` measures them:
 
     python -m cloudtrain.compress.bench --json
 """
@@ -27,15 +29,13 @@ from .packet import (
     Expected,
     Packet,
     PacketError,
-    ZstdGain,
     cut,
     from_wire,
     read_header,
     to_wire,
-    wire_zstd_gain,
-    zstd_gain,
 )
 from .rng import RandomKey
+from .zstd import ZstdGain, wire_zstd_gain, zstd_gain
 
 __all__ = [
     "HEADER_NBYTES",

@@ -20,8 +20,8 @@ the copy `dst.copy_(x)` of the same n fp32 elements measured in the same run:
 `targets` lists the native kernels' performance goals with the measured value and whether each
 is met.
 
-zstd gain per codec (`zstd`): for each rung of the controller's ladder (LADDER) and zstd levels
-1 and 3, `packet.zstd_gain` on a sample gradient - the wire ratio without/with the zstd stage,
+zstd gain per codec (`zstd`): for each rung of the controller's ladder (ladders.LADDER) and zstd
+levels 1 and 3, `zstd.zstd_gain` on a sample gradient - the wire ratio without/with the zstd stage,
 its CPU cost in ns per byte (compress on the sender, decompress per receiver), and the link
 speed below which the stage pays (`pays_below_mbit`: saved link time = CPU time, one receiver).
 The sample is heavy-tailed synthetic noise, or real gradients saved with torch.save (a tensor, or
@@ -48,10 +48,11 @@ import torch
 from . import ops, reference
 from .codecs import parse_spec
 from .feedback import ErrorFeedback
-from .packet import zstd_gain
+from .ladders import LADDER, rung_spec
 from .rng import RandomKey
+from .zstd import zstd_gain
 
-CASES = [
+CORE_CASES = [
     "none",
     "fp16",
     "bf16",
@@ -60,25 +61,22 @@ CASES = [
     "quant:2",
     "sign",
     "topk:0.01",
+]
+"""Every built-in dense codec at each of its levels, and top-k at 1 %: what every sweep over the
+codecs starts with (this bench's, and tests/test_fuzz.py's, which adds its edge cases)."""
+
+CASES = [
+    *CORE_CASES,
     "topk:0.001",
     "randomk:0.01",
     "topk:0.01>quant:8",
     "randomk:0.1>topk:0.1>quant:4",
 ]
+"""The codec table's specs (--cases)."""
 
+ZSTD_CASES = [rung_spec(rung) for rung in LADDER]
+"""The zstd table's specs: the controller's ladder, where zstd might be switched on."""
 
-# The controller's default ladder (cloudtrain.config.LADDER; this layer cannot import it, a test
-# keeps the two equal), as specs: where zstd might be switched on.
-LADDER = [
-    "none",
-    "bf16",
-    "quant:8",
-    "quant:4",
-    "topk:0.1>quant:8",
-    "topk:0.01>quant:8",
-    "topk:0.001>quant:8",
-    "topk:0.0001>quant:8",
-]
 ZSTD_LEVELS = (1, 3)
 
 
@@ -299,7 +297,7 @@ def bench_ops(n: int, device: torch.device, budget_s: float) -> tuple[list[dict]
     return rows, targets
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
     parser.add_argument(
@@ -319,7 +317,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON document instead of a table"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     device = torch.device(args.device)
     rows, op_rows, targets, zstd_rows = [], [], [], []
     if not args.skip_zstd:
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
             n = min(args.sizes)
             g = torch.Generator().manual_seed(0)
             sample = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 3
-        zstd_rows = bench_zstd(sample, LADDER)
+        zstd_rows = bench_zstd(sample, ZSTD_CASES)
     for n in args.sizes:
         if not args.skip_codecs:
             rows += bench_size(n, args.cases, args.budget)
@@ -353,7 +355,13 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.json:
         print(json.dumps(report, indent=1))
-        return
+    else:
+        print_tables(report, device)
+
+
+def print_tables(report: dict, device: torch.device) -> None:
+    """The report as text tables: codecs, native ops and their targets, zstd gain."""
+    rows, op_rows, targets, zstd_rows = (report[k] for k in ("rows", "ops", "targets", "zstd"))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads - {report['unit']}")
     if rows:
         print(f"{'n':>10} {'case':32} {'encode':>8} {'enc+EF':>8} {'decode':>8} {'ratio':>8}")

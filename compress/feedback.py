@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .codecs import Codec, Level, all_finite, check_finite, flat_float
+from .codecs.base import Codec, Level, all_finite, check_finite, flat_float
 from .ops import RESIDUAL_DTYPES
 from .packet import Packet
 from .rng import RandomKey

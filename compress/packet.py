@@ -21,8 +21,10 @@ the format version stays 1.
 Without zstd the wire size is fixed by (codec, numel, level, dtype): `wire_nbytes` gives it before
 encoding, which is what fixed-size collectives and the controller plan with. The zstd stage
 (zstandard) is kept only where it makes the bytes smaller, so its size is known after encoding;
-`zstd_gain` measures what it saves and costs for a codec on a sample, so a caller can decide
-per link whether it pays.
+zstd.py measures what it saves and costs, so a caller can decide per link whether it pays.
+
+This module knows codecs only through `WireCodec`, the few members the writer and reader call
+(the codecs import this module, never the other way round): any `Codec` is one.
 """
 
 from __future__ import annotations
@@ -30,15 +32,13 @@ from __future__ import annotations
 import struct
 import threading
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .rng import RandomKey
-
-if TYPE_CHECKING:
-    from .codecs import Codec
 
 FORMAT_VERSION = 1
 MAX_LEVELS = 4
@@ -75,8 +75,36 @@ _ZSTD_MAX_RATIO = 32768
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
-Layout = tuple[tuple[torch.dtype, int], ...]
+PartLayout = tuple[tuple[torch.dtype, int], ...]
 """The parts of a packet: (dtype, number of elements) each, fixed by codec, numel and level."""
+
+
+class WireCodec(Protocol):
+    """What to_wire and from_wire need from a codec: its identity on the wire, its level as the
+    header's floats and back, and the parts a packet of it holds. `Codec` implements it."""
+
+    name: str
+    """The codec's description, named in errors."""
+
+    @property
+    def id(self) -> int:
+        """The 32-bit id the header carries."""
+
+    @property
+    def wire_ids(self) -> frozenset[int]:
+        """Every id a packet this codec decodes may carry (its own and its old names')."""
+
+    def check_level(self, level: Any) -> Any:
+        """The level in canonical form, or ValueError / TypeError."""
+
+    def level_floats(self, level: Any) -> tuple[float, ...]:
+        """The level as the floats the header carries."""
+
+    def level_from_floats(self, values: Sequence[float]) -> Any:
+        """The level the header's floats describe (validated)."""
+
+    def layout(self, numel: int, level: Any, dtype: torch.dtype = torch.float32) -> PartLayout:
+        """The parts of a packet for numel elements of dtype at this level."""
 
 
 class PacketError(ValueError):
@@ -87,7 +115,7 @@ class PacketError(ValueError):
 class Packet:
     """A codec's output. `parts` travel; codec, level, numel, dtype and key describe them."""
 
-    codec: Codec
+    codec: WireCodec
     level: object
     numel: int
     dtype: torch.dtype
@@ -131,11 +159,11 @@ def _padded(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def layout_nbytes(layout: Layout) -> int:
+def layout_nbytes(layout: PartLayout) -> int:
     return sum(_padded(count * dtype.itemsize) for dtype, count in layout)
 
 
-def wire_nbytes(layout: Layout) -> int:
+def wire_nbytes(layout: PartLayout) -> int:
     """Exact wire size of a packet with this layout, without the zstd stage."""
     return HEADER_NBYTES + layout_nbytes(layout)
 
@@ -176,8 +204,9 @@ def _compressor(zstd_level: int) -> Any:
     return made[zstd_level]
 
 
-def _zstd(payload: torch.Tensor, zstd_level: int) -> bytes:
-    """One zstd frame that states its content size (from_wire requires it)."""
+def zstd_frame(payload: torch.Tensor, zstd_level: int) -> bytes:
+    """The payload as one zstd frame that states its content size (from_wire requires it), by
+    this thread's compressor: the stage to_wire runs, and what zstd.py times."""
     return _compressor(zstd_level).compress(payload.numpy().data)
 
 
@@ -191,7 +220,7 @@ def to_wire(packet: Packet, zstd_level: int | None = None) -> torch.Tensor:
     payload = _payload(packet.parts, raw_sizes)
     flags = 0
     if zstd_level is not None and payload.numel() > 0:
-        packed = _zstd(payload, zstd_level)
+        packed = zstd_frame(payload, zstd_level)
         if len(packed) < payload.numel():
             payload = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
             flags |= _FLAG_ZSTD
@@ -288,7 +317,7 @@ def read_header(buf: torch.Tensor | bytes | bytearray | memoryview) -> dict:
     }
 
 
-def _check_expected(h: dict, codec: Codec, level: object, expect: Expected) -> None:
+def _check_expected(h: dict, codec: WireCodec, level: object, expect: Expected) -> None:
     """Every field of the header against the plan (cheap comparisons, nothing allocated)."""
     if not isinstance(expect, Expected):
         raise TypeError(f"expect: expected an Expected, got {type(expect).__name__}")
@@ -360,7 +389,7 @@ def _unzstd(payload: torch.Tensor, raw_len: int) -> torch.Tensor:
 
 def from_wire(
     buf: torch.Tensor | bytes | bytearray | memoryview,
-    codec: Codec,
+    codec: WireCodec,
     *,
     expect: Expected | None = None,
 ) -> Packet:
@@ -429,92 +458,3 @@ def cut(buf: torch.Tensor) -> torch.Tensor:
             f"{buf.numel()} the plan allows its sender"
         )
     return buf[: HEADER_NBYTES + payload_len]
-
-
-# ---------------------------------------------------------------------------------------------
-# what the zstd stage gains
-
-
-@dataclass(frozen=True)
-class ZstdGain:
-    """The zstd stage measured on one codec's packets. Per-byte figures are per byte of the
-    packet without zstd (`codec.nbytes`, what the plan knows before encoding)."""
-
-    ratio: float
-    """Wire bytes without zstd / with zstd (>= 1: the stage is skipped where it does not shrink)."""
-    encode_s_per_byte: float
-    """CPU seconds the sender spends compressing, per byte."""
-    decode_s_per_byte: float
-    """CPU seconds a receiver spends decompressing, per byte."""
-
-    def saved_per_byte(self, receivers: int = 1) -> float:
-        """Bytes the stage keeps off the sender's link per byte of its packet, which crosses the
-        link once to each of `receivers` regions."""
-        return receivers * (1 - 1 / max(self.ratio, 1.0))
-
-    def cpu_per_byte(self) -> float:
-        """CPU seconds per byte on the exchange's path: the sender compresses once, and each
-        receiver (on its own machine, at the same time) decompresses once."""
-        return self.encode_s_per_byte + self.decode_s_per_byte
-
-    def net_seconds_per_byte(self, bandwidth: float, receivers: int = 1) -> float:
-        """Link seconds the stage saves minus CPU seconds it costs, per byte of a packet sent
-        over a link of `bandwidth` bytes/s to `receivers` regions. Positive: zstd pays."""
-        return self.saved_per_byte(receivers) / bandwidth - self.cpu_per_byte()
-
-    def pays_below(self, receivers: int = 1, margin: float = 1.0) -> float:
-        """The link speed (bytes/s) below which the link time saved is `margin` x the CPU it
-        costs (0: never)."""
-        cpu = self.cpu_per_byte()
-        return self.saved_per_byte(receivers) / (margin * cpu) if cpu > 0 else 0.0
-
-
-def zstd_gain(
-    codec: Codec,
-    level: object,
-    sample: torch.Tensor,
-    zstd_level: int = 1,
-    *,
-    key: RandomKey | None = None,
-    repeats: int = 3,
-) -> ZstdGain:
-    """Encode `sample` (e.g. a real gradient) with codec at level, then time the zstd stage on
-    that packet (`wire_zstd_gain`), so a caller can turn the stage on for a link where
-    `net_seconds_per_byte` is positive."""
-    packet = codec.encode(sample, level, key or RandomKey())
-    return wire_zstd_gain(to_wire(packet), zstd_level, repeats=repeats)
-
-
-def wire_zstd_gain(
-    wire: torch.Tensor, zstd_level: int = 1, *, sample_bytes: int | None = None, repeats: int = 1
-) -> ZstdGain:
-    """The zstd stage timed on a packet already on the wire without it (`to_wire(packet)`): the
-    ratio it would get and its CPU cost per byte (best of `repeats`). With `sample_bytes`, on
-    that many bytes of the payload in 16 chunks spread over it (every part of a packet - indices
-    and values - is sampled), a trial that costs little on a large packet."""
-    import time
-
-    import zstandard
-
-    payload = wire[HEADER_NBYTES:]
-    if sample_bytes is not None and payload.numel() > sample_bytes:
-        chunk = max(sample_bytes // 16, 1)
-        starts = torch.linspace(0, payload.numel() - chunk, 16).long().tolist()
-        payload = torch.cat([payload[a : a + chunk] for a in starts])
-    if payload.numel() == 0:
-        return ZstdGain(1.0, 0.0, 0.0)
-    plain = HEADER_NBYTES + payload.numel()
-    encode_s = decode_s = float("inf")
-    packed = b""
-    if not hasattr(_contexts, "decompressor"):
-        _contexts.decompressor = zstandard.ZstdDecompressor()
-    decompressor = _contexts.decompressor
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        packed = _zstd(payload, zstd_level)
-        t1 = time.perf_counter()
-        decompressor.decompress(packed, max_output_size=payload.numel())
-        t2 = time.perf_counter()
-        encode_s, decode_s = min(encode_s, t1 - t0), min(decode_s, t2 - t1)
-    zipped = HEADER_NBYTES + min(len(packed), payload.numel())
-    return ZstdGain(plain / zipped, encode_s / plain, decode_s / plain)

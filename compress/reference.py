@@ -1,7 +1,7 @@
 """Pure-PyTorch reference of every hot operation in gradient compression.
 
 These functions are the oracle the native kernels (csrc/, `torch.ops.cloudtrain.*`) must match
-and the fallback where those kernels are not built; the codecs in codecs.py call them. Each one
+and the fallback where those kernels are not built; the codecs in codecs/ call them. Each one
 states its exact arithmetic, because "match" means bit for bit wherever the math is
 deterministic:
 

@@ -24,6 +24,7 @@ from cloudtrain.compress import (
     registered_codecs,
     to_wire,
 )
+from cloudtrain.compress.ladders import LADDER, OUTER_LADDER, rung_spec
 from cloudtrain.compress.reference import magnitude_topk
 
 # (spec, lossless?) - every registered codec, each level, and compositions
@@ -482,6 +483,14 @@ def test_spec_levels_that_are_whole_numbers_are_accepted():
     assert parse_spec("quant:8.0")[1] == 8
     assert parse_spec("topk:1>quant:4")[1] == (1.0, 4)
     assert parse_spec(" randomk : 0.1 > topk:0.1>quant:4 ")[1] == (0.1, 0.1, 4)
+
+
+@pytest.mark.parametrize("rung", [*LADDER, *OUTER_LADDER])
+def test_every_rung_of_the_ladders_is_a_codec_and_its_spec_says_the_same(rung):
+    name, level = rung
+    codec, parsed = parse_spec(rung_spec(rung))
+    assert codec.name == make_codec(name).name
+    assert parsed == codec.check_level(level) == level
 
 
 @pytest.mark.parametrize("flag", [True, False])

@@ -36,17 +36,11 @@ from cloudtrain.compress import (
     parse_spec,
     to_wire,
 )
+from cloudtrain.compress.bench import CORE_CASES
 
 COUNT = 100_000
 SPECS = [
-    "none",
-    "fp16",
-    "bf16",
-    "quant:8",
-    "quant:4",
-    "quant:2",
-    "sign",
-    "topk:0.01",
+    *CORE_CASES,
     "topk:0.3",
     "randomk:0.1",
     "topk:0.05>quant:8",
