@@ -170,7 +170,7 @@ class QualityProbe:
         track.packet.mul_(MOMENTUM).add_(decoded - exact)
         drift = None if track.previous is None else float((exact - track.previous).square().sum())
         track.previous = exact
-        self._sums.add(track, drift, float(exact.square().sum()))
+        self._sums.add(key, track, drift, float(exact.square().sum()))
 
     def take(self) -> QualitySums:
         """What was measured since the last call (summed over streams; steps counted once)."""
@@ -193,6 +193,7 @@ class QualityProbe:
                 }
                 for key, t in self._tracks.items()
             ],
+            "interval": self._sums.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -210,6 +211,8 @@ class QualityProbe:
                 [(int(s), d.clone()) for s, d in t["queued"]],
             )
         self._sums = _Running()
+        if state.get("interval") is not None:
+            self._sums.load_state_dict(state["interval"])
 
 
 class _Running:
@@ -221,15 +224,26 @@ class _Running:
         self.error = self.compression = self.norm = self.drift = self.gradient = 0.0
         self.steps: dict[Hashable, int] = {}
 
-    def add(self, track: _Track, drift: float | None, gradient: float) -> None:
+    def add(self, key: Hashable, track: _Track, drift: float | None, gradient: float) -> None:
         self.error += float(track.error.square().sum())
         self.compression += float(track.packet.square().sum())
         self.norm += float(track.exact.square().sum())
         if drift is not None:
             self.drift += drift
             self.gradient += gradient
-        key = id(track)
         self.steps[key] = self.steps.get(key, 0) + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "sums": [self.error, self.compression, self.norm, self.drift, self.gradient],
+            "steps": list(self.steps.items()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.error, self.compression, self.norm, self.drift, self.gradient = state["sums"]
+        self.steps = {
+            (tuple(k) if isinstance(k, list) else k): int(n) for k, n in state["steps"]
+        }
 
     def total(self) -> QualitySums:
         steps = min(self.steps.values()) if self.steps else 0
@@ -326,12 +340,13 @@ class QualityGuard:
                 f"{rung} tried again from decision {self.retry[key]}"
             )
             return error
-        self.calm[r] = self.calm[r] + 1 if error is not None and error <= bound / 2 else 0
+        # evidence for a heavier rung: decisions in a row at the ceiling itself, with room
+        roomy = rung == self.ceilings[r] and error is not None and error <= bound / 2
+        self.calm[r] = self.calm[r] + 1 if roomy else 0
         trial = self.ceilings[r] + 1
         if (
             wanted > self.ceilings[r]
             and self.calm[r] >= patience
-            and rung == self.ceilings[r]
             and self.retry.get(f"{r}:{trial}", 0) <= self.decisions
         ):
             self.ceilings[r], self.calm[r] = trial, 0

@@ -337,7 +337,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="global batch (default 256; 2048 for drop, enough compute per step that 1 Gbit/s "
         "needs little compression and the drop to 50 needs much)",
     )
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument(
+        "--lr", type=float, help="learning rate (default: the workload's own; the bench's MLP 0.05)"
+    )
+    parser.add_argument(
+        "--momentum", type=float, help="SGD momentum of the MLP workloads (default: theirs, 0.9)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--drop-at", type=int, default=60, help="step of the drop (scenario drop)")

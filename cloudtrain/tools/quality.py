@@ -41,6 +41,12 @@ SCENARIOS = {"wan": (100.0, 80.0), "far": (50.0, 180.0), "unshaped": (None, 0.0)
 
 NO_GUARD = json.dumps({"controller": {"quality_bound": None}})
 STALE = json.dumps({"staleness": 1})
+WAN_ROWS = {
+    "ddp": ("DDP", "ddp", None),
+    "auto": ('"auto"', "cloud-auto", None),
+    "auto-noguard": ('"auto" without the guard', "cloud-auto", NO_GUARD),
+}
+"""The rows run on each scenario's emulated links."""
 
 
 def passes(metric: str, quality: float, reference: float) -> bool:
@@ -80,9 +86,10 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     regions = ["us", "us", "eu", "eu"]
     presets = PRESETS if args.presets is None else tuple(args.presets)
     ok, why = netem.available()
-    if not ok:
+    if args.scenarios and not ok:
         raise SystemExit(f"cloudtrain bench --quality: needs the emulated network ({why})")
-    runs = len(args.workloads) * (1 + len(presets) + 1 + 3 * len(args.scenarios))
+    wan_rows = [WAN_ROWS[r] for r in args.wan_rows]
+    runs = len(args.workloads) * (1 + len(presets) + 1 + len(wan_rows) * len(args.scenarios))
     rows: dict[str, list[dict[str, Any]]] = {w: [] for w in args.workloads}
     metrics: dict[str, str] = {}
     with tqdm(total=runs * args.steps, desc="quality", unit="step", mininterval=2.0) as progress:
@@ -104,11 +111,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             ).up()
             try:
                 for workload in args.workloads:
-                    for label, method, overrides in (
-                        ("DDP", "ddp", None),
-                        ('"auto"', "cloud-auto", None),
-                        ('"auto" without the guard', "cloud-auto", NO_GUARD),
-                    ):
+                    for label, method, overrides in wan_rows:
                         progress.set_postfix_str(f"{workload} {scenario} {label}")
                         run_args = _args(args, workload, overrides)
                         run = run_method(method, run_args, wan, regions, progress)
@@ -179,12 +182,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="with --quality: the workloads (default: the matrix's four)",
     )  # fmt: skip
     parser.add_argument(
-        "--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS),
-        help="with --quality: the emulated links for auto (default: wan far unshaped)",
+        "--scenarios", nargs="*", choices=list(SCENARIOS), default=list(SCENARIOS),
+        help="with --quality: the emulated links for auto (default: wan far unshaped; none: "
+        "loopback rows only)",
     )  # fmt: skip
     parser.add_argument(
         "--presets", nargs="*", choices=PRESETS,
         help="with --quality: the fixed presets (default: all; none with an empty list)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--wan-rows", nargs="+", choices=list(WAN_ROWS), default=list(WAN_ROWS),
+        help="with --quality: the rows run on each scenario's emulated links (default: all)",
     )  # fmt: skip
 
 

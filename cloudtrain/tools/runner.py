@@ -74,7 +74,8 @@ def worker(args: argparse.Namespace) -> int:
         import torch.distributed as dist
 
         rank, world = dist.get_rank(), dist.get_world_size()
-    options = {"hidden": args.hidden, "lr": args.lr} if args.workload == "bench-mlp" else {}
+    options = {"hidden": args.hidden} if args.workload == "bench-mlp" else {}
+    options.update({k: v for k in ("lr", "momentum") if (v := getattr(args, k)) is not None})
     per_rank = args.batch // world if args.workload == "bench-mlp" else None
     trainer = WORKLOADS[args.workload].build(args.seed, per_rank, **options)
     model, opt = trainer.model, trainer.optimizer
@@ -170,7 +171,9 @@ def worker_argv(method: str, args: argparse.Namespace) -> list[str]:
     return [
         sys.executable, "-m", "cloudtrain.tools.bench", "--worker", "--method", method,
         "--steps", str(args.steps), "--hidden", str(args.hidden), "--batch", str(args.batch),
-        "--lr", str(args.lr), "--seed", str(args.seed), "--eval-every", str(args.eval_every),
+        "--seed", str(args.seed), "--eval-every", str(args.eval_every),
+        *(["--lr", str(args.lr)] if args.lr is not None else []),
+        *(["--momentum", str(args.momentum)] if args.momentum is not None else []),
         "--workload", args.workload, *(["--overrides", args.overrides] if args.overrides else []),
     ]  # fmt: skip
 

@@ -76,7 +76,12 @@ class Workload:
         """The workload's model, optimizer and data for `seed` (`per_rank`: its batch per rank,
         else the workload's own; `options`: the workload's own, e.g. bench-mlp's hidden, lr)."""
         torch.manual_seed(seed)  # the same initial weights on every rank and for every config
-        trainer = self.build_fn(seed, per_rank, **options)
+        try:
+            trainer = self.build_fn(seed, per_rank, **options)
+        except TypeError as e:
+            raise ValueError(
+                f"workload {self.name!r} takes no option {sorted(options)}: {e}"
+            ) from None
         trainer.generator = torch.Generator().manual_seed(seed + 1)
         return trainer
 
@@ -101,22 +106,24 @@ def _rows(x: torch.Tensor, y: torch.Tensor):
     return draw
 
 
-def _bench_mlp(seed: int, per_rank: int | None, hidden: int = 1024, lr: float = 0.05) -> Trainer:
+def _bench_mlp(
+    seed: int, per_rank: int | None, hidden: int = 1024, lr: float = 0.05, momentum: float = 0.9
+) -> Trainer:
     x, y, xt, yt = digits(seed)
     model = digits_mlp(hidden)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     return Trainer(model, opt, per_rank or 64, _rows(x, y), F.cross_entropy, _classifier(xt, yt),
                    "accuracy")  # fmt: skip
 
 
 def _mlp(per_rank_default: int) -> Callable[[int, int | None], Trainer]:
-    def build(seed: int, per_rank: int | None) -> Trainer:
+    def build(seed: int, per_rank: int | None, lr: float = 0.05, momentum: float = 0.9) -> Trainer:
         x, y, xt, yt = digits(seed, scale="unit")
         model = nn.Sequential(
             nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
             nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10),
         )  # fmt: skip
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
         return Trainer(model, opt, per_rank or per_rank_default, _rows(x, y), F.cross_entropy,
                        _classifier(xt, yt), "accuracy")  # fmt: skip
 
