@@ -241,9 +241,7 @@ class _Running:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.error, self.compression, self.norm, self.drift, self.gradient = state["sums"]
-        self.steps = {
-            (tuple(k) if isinstance(k, list) else k): int(n) for k, n in state["steps"]
-        }
+        self.steps = {(tuple(k) if isinstance(k, list) else k): int(n) for k, n in state["steps"]}
 
     def total(self) -> QualitySums:
         steps = min(self.steps.values()) if self.steps else 0
