@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from .plan import Rung, rung_density
+from .plan import Rung, describe, rung_density
 
 MOMENTUM = 0.9
 """g: the memory through which the applied update is compared with the exact one."""
@@ -395,6 +395,18 @@ class QualityGuard:
                 "config 'diloco', keeps the round trips off the steps)"
             ]
         return []
+
+    def snapshot(self, names: Sequence[str], ladder: Sequence[Rung]) -> dict[str, Any]:
+        """The guard in words, by region name (for CloudDDP.stats())."""
+        last, none = self.last, [None] * len(names)
+        return {
+            "ceiling": {n: describe(ladder[c]) for n, c in zip(names, self.ceilings, strict=True)},
+            "max_staleness": self.max_staleness,
+            "compression_error": dict(zip(names, last.get("compression", none), strict=True)),
+            "update_error": dict(zip(names, last.get("error", none), strict=True)),
+            "drift": dict(zip(names, last.get("drift", none), strict=True)),
+            "keeps_quality_over_speed": any(last.get("limits_speed", ())),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -51,7 +51,9 @@ from .collectives import CommError
 from .compress import ErrorFeedback
 from .compress.ladders import OUTER_LADDER
 from .config import AUTO, CompressionConfig, OuterConfig
+from .costs import LinkEstimate
 from .datapath import CrossRegion, Shard
+from .estimates import region_links
 from .plan import Codecs, Plan, Rung
 from .stats import CommStats
 from .topology import Topology
@@ -71,14 +73,6 @@ DECIDE_AFTER = 5
 
 
 @dataclass(frozen=True)
-class Link:
-    """A sender region's link to the others: bandwidth (bytes/s, per shard owner) and RTT (s)."""
-
-    bandwidth: float
-    rtt: float
-
-
-@dataclass(frozen=True)
 class Schedule:
     sync_every: int
     rungs: tuple[Rung, ...]
@@ -89,15 +83,15 @@ class Schedule:
     """False: nothing fits the budget; the most compression at the largest H was taken."""
 
 
-def exchange_seconds(link: Link, nbytes: int, receivers: int) -> float:
+def fragment_exchange_seconds(link: LinkEstimate, nbytes: int, receivers: int) -> float:
     """One fragment's exchange on a sender's link: a round trip plus its packet to every other
-    region."""
+    region (the per-step exchange's model is cloudtrain.costs.exchange_seconds)."""
     return link.rtt + receivers * nbytes / link.bandwidth
 
 
 def choose_schedule(
     numel: int,
-    links: Sequence[Link],
+    links: Sequence[LinkEstimate],
     shards: int,
     step_s: float,
     fragments: int,
@@ -134,7 +128,7 @@ def choose_schedule(
         worst = 0.0
         for link in links:
             for rung in ladder:
-                seconds = exchange_seconds(link, wire_nbytes(rung, m), receivers)
+                seconds = fragment_exchange_seconds(link, wire_nbytes(rung, m), receivers)
                 if seconds <= budget:
                     rungs.append(rung)
                     worst = max(worst, seconds)
@@ -147,28 +141,13 @@ def choose_schedule(
     budget = min(overlap, h) * step_s if overlap else STALL_SHARE * step_s * h / fragments
     rungs, worst = [], 0.0
     for link in links:
-        times = [exchange_seconds(link, wire_nbytes(rung, m), receivers) for rung in ladder]
+        times = [
+            fragment_exchange_seconds(link, wire_nbytes(rung, m), receivers) for rung in ladder
+        ]
         pick = next(i for i, t in enumerate(times) if t <= min(times) + budget)
         rungs.append(ladder[pick])
         worst = max(worst, times[pick])
     return Schedule(h, tuple(rungs), worst, False)
-
-
-def region_links(topo: Topology) -> list[Link]:
-    """Each region's slowest probed link to another region, its bandwidth shared by the
-    region's shard owners' parallel flows (as the controller reads the probe)."""
-    links = topo.links if topo.links is not None else topo.probe()
-    out = []
-    for r, members in enumerate(topo.members):
-        others = [j for q, m in enumerate(topo.members) if q != r for j in m]
-        pairs = [(i, j) for i in members for j in others]
-        out.append(
-            Link(
-                max(min(links.beta[i][j] for i, j in pairs) / topo.shards, 1.0),
-                min(min(links.alpha[i][j] for i, j in pairs), 60.0),
-            )
-        )
-    return out
 
 
 @dataclass
@@ -241,9 +220,10 @@ class OuterLoop:
             rung = ("none", None) if outer.codec == AUTO else (outer.codec, outer.level)
             self.schedule = Schedule(outer.sync_every, (rung,) * regions, 0.0, True)
         self.codecs = Codecs(config)
-        self.links: list[Link] | None = None
+        self.links: list[LinkEstimate] | None = None
         if self.schedule is None and not topo.single_region:
-            self.links = region_links(topo)  # a collective: every rank, now
+            matrix = topo.links if topo.links is not None else topo.probe()  # every rank, now
+            self.links = region_links(matrix, topo.members, topo.shards)
         # the exchange may run on a background thread while the hook reduces gradients
         groups = [n for n in topo.group_ranks() if n.startswith(("region", "cross"))]
         self.own = topo.private(groups, config.timeout)
@@ -337,7 +317,7 @@ class OuterLoop:
         choice: list[Any] = [None]
         if self.topo.rank == 0:
             step_s = statistics.median(self._times[1:] or self._times)
-            links = self.links or [Link(1e12, 0.0)] * len(self.topo.regions)
+            links = self.links or [LinkEstimate(1e12, 0.0)] * len(self.topo.regions)
             ladder = OUTER_LADDER if outer.codec == AUTO else ((outer.codec, outer.level),)
             choice[0] = choose_schedule(
                 self.numel,

@@ -100,3 +100,16 @@ def rung_density(rung: Rung) -> float:
         if stage.strip() in ("topk", "topk-sampled", "randomk"):
             density *= float(value)
     return density
+
+
+def describe(rung: Rung) -> str:
+    """A rung in words, for logs and stats: "no compression", "4-bit", "top-k 1% + 8-bit"."""
+    name, level = rung
+    if name == "none":
+        return "no compression"
+    if name == "quant":
+        return f"{level}-bit"
+    if name.startswith("topk"):
+        density, bits = level
+        return f"top-k {100 * density:g}% + {bits}-bit"
+    return name

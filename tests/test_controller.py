@@ -11,18 +11,19 @@ import pytest
 
 from cloudtrain.compress import ZstdGain
 from cloudtrain.config import LADDER, ControllerOptions
-from cloudtrain.controller import (
+from cloudtrain.costs import (
+    CostModel,
     LinkEstimate,
     exchange_seconds,
     faster_measured,
-    passive_bandwidth,
     plan_levels,
     plan_staleness,
     plan_zstd,
     rung_bytes,
-    rung_density,
     useful_depths,
 )
+from cloudtrain.estimates import passive_bandwidth
+from cloudtrain.plan import rung_density
 from cloudtrain.probe import LinkMatrix, cluster_regions, fit_link
 
 MBIT = 1e6 / 8  # bytes/s
@@ -57,7 +58,7 @@ def test_ladder_gets_smaller_at_every_rung():
 def test_the_lightest_rung_that_fits(mbit, compute_s, expect):
     opts = ControllerOptions(min_density=0)  # the whole ladder (the guard has its own test)
     links = [LinkEstimate(mbit * MBIT, 0.0)] * 2
-    rungs, _, budgets = plan_levels(links, compute_s, SHARDS, options=opts)
+    rungs, _, budgets = plan_levels(CostModel(links, compute_s, SHARDS, options=opts))
     assert rungs[0] == rungs[1]
     assert level_name(rungs[0]) == expect
 
@@ -75,7 +76,9 @@ def test_the_lightest_rung_that_fits(mbit, compute_s, expect):
 def test_budget_is_bandwidth_times_hidden_time():
     opts = ControllerOptions(hidden_fraction=0.5)
     for rtt in (0.0, 0.02, 1.0):  # round trips take time, they do not shrink the byte budget
-        _, _, (budget,) = plan_levels([LinkEstimate(100 * MBIT, rtt)], 0.4, SHARDS, options=opts)
+        _, _, (budget,) = plan_levels(
+            CostModel([LinkEstimate(100 * MBIT, rtt)], 0.4, SHARDS, options=opts)
+        )
         assert budget == pytest.approx(100 * MBIT * 0.5 * 0.4)
 
 
@@ -100,7 +103,9 @@ def test_a_rung_that_does_not_make_the_step_faster_is_never_taken(mbit, rtt_ms, 
     link = LinkEstimate(mbit * MBIT, rtt_ms / 1000)
     opts = ControllerOptions(slack=0.2)
     compute = compute_ms / 1000
-    (rung, _), _, _ = plan_levels([link, link], compute, MLP, options=opts, staleness=depths)
+    (rung, _), _, _ = plan_levels(
+        CostModel([link, link], compute, MLP, options=opts), depths=depths
+    )
     assert rung_density(LADDER[rung]) >= opts.min_density  # the accuracy guard
     best = {
         r: min(step_time(r, link, compute, s, MLP) for s in depths)
@@ -125,15 +130,17 @@ def test_round_trips_alone_raise_the_staleness_not_the_compression():
     far = LinkEstimate(100 * MBIT, 0.080)  # hidden within a pipeline 6 deep
     opts = ControllerOptions(max_staleness=8)
     depths = tuple(range(9))
-    (r_near, _), _, _ = plan_levels([near, near], compute, MLP, options=opts, staleness=depths)
-    (r_far, _), _, _ = plan_levels([far, far], compute, MLP, options=opts, staleness=depths)
+    (r_near, _), _, _ = plan_levels(
+        CostModel([near, near], compute, MLP, options=opts), depths=depths
+    )
+    (r_far, _), _, _ = plan_levels(CostModel([far, far], compute, MLP, options=opts), depths=depths)
     assert r_far == r_near
-    s_near = plan_staleness([near] * 2, compute, MLP, [r_near] * 2, opts, allowed=depths)
-    s_far = plan_staleness([far] * 2, compute, MLP, [r_far] * 2, opts, allowed=depths)
+    s_near = plan_staleness(CostModel([near] * 2, compute, MLP, options=opts), [r_near] * 2, depths)
+    s_far = plan_staleness(CostModel([far] * 2, compute, MLP, options=opts), [r_far] * 2, depths)
     assert s_far > s_near
     # pinned synchronous (staleness 0): the round trip cannot be hidden, and compressing more
     # than the bytes need would not win it back
-    (r_sync, _), _, _ = plan_levels([far, far], compute, MLP, options=opts, staleness=(0,))
+    (r_sync, _), _, _ = plan_levels(CostModel([far, far], compute, MLP, options=opts), depths=(0,))
     assert r_sync <= r_near + 1
 
 
@@ -143,8 +150,8 @@ def test_staleness_is_picked_when_the_round_trip_exceeds_the_hidden_time(rtt_ms,
     compute = compute_ms / 1000
     opts = ControllerOptions(max_staleness=16)
     depths = tuple(range(17))
-    rungs, _, _ = plan_levels([link] * 2, compute, MLP, options=opts, staleness=depths)
-    s = plan_staleness([link] * 2, compute, MLP, rungs, opts, allowed=depths)
+    rungs, _, _ = plan_levels(CostModel([link] * 2, compute, MLP, options=opts), depths=depths)
+    s = plan_staleness(CostModel([link] * 2, compute, MLP, options=opts), rungs, depths)
     assert link.rtt > 0.5 * compute  # the round trip does not hide behind one step
     assert s > 0
     assert s == min(
@@ -162,26 +169,28 @@ def test_staleness_is_picked_when_the_round_trip_exceeds_the_hidden_time(rtt_ms,
     )
     # with neither round trip nor bytes to hide it stays synchronous
     near = LinkEstimate(100_000 * MBIT, 0.0)
-    assert plan_staleness([near] * 2, compute, MLP, rungs, opts, allowed=depths) == 0
+    assert plan_staleness(CostModel([near] * 2, compute, MLP, options=opts), rungs, depths) == 0
 
 
 def test_min_density_guards_accuracy():
     link = [LinkEstimate(1 * MBIT, 0.0)] * 2  # so slow that only the sparsest rung would fit
-    (guarded, _), _, _ = plan_levels(link, 0.2, SHARDS)
+    (guarded, _), _, _ = plan_levels(CostModel(link, 0.2, SHARDS))
     assert rung_density(LADDER[guarded]) == 0.01
-    (free, _), _, _ = plan_levels(link, 0.2, SHARDS, options=ControllerOptions(min_density=0))
+    (free, _), _, _ = plan_levels(
+        CostModel(link, 0.2, SHARDS, options=ControllerOptions(min_density=0))
+    )
     assert rung_density(LADDER[free]) == 0.0001
 
 
 def test_heterogeneous_links_get_different_levels():
     links = [LinkEstimate(1000 * MBIT, 0.001), LinkEstimate(50 * MBIT, 0.001)]
-    rungs, _, _ = plan_levels(links, 0.2, SHARDS)
+    rungs, _, _ = plan_levels(CostModel(links, 0.2, SHARDS))
     assert rungs[0] < rungs[1]
 
 
 def test_more_regions_means_more_bytes_per_sender():
-    one = plan_levels([LinkEstimate(300 * MBIT, 0.0)] * 2, 0.2, SHARDS)[0][0]
-    four = plan_levels([LinkEstimate(300 * MBIT, 0.0)] * 4, 0.2, SHARDS)[0][0]
+    one = plan_levels(CostModel([LinkEstimate(300 * MBIT, 0.0)] * 2, 0.2, SHARDS))[0][0]
+    four = plan_levels(CostModel([LinkEstimate(300 * MBIT, 0.0)] * 4, 0.2, SHARDS))[0][0]
     assert four > one
 
 
@@ -189,13 +198,17 @@ def test_hysteresis_compresses_more_at_once_and_less_only_after_patience():
     opts = ControllerOptions(patience=3, margin=0.7)
     slow = [LinkEstimate(50 * MBIT, 0.0)]
     fast = [LinkEstimate(2000 * MBIT, 0.0)]
-    (rung,), streak, _ = plan_levels(fast, 0.2, SHARDS, options=opts)
-    (dropped,), streak, _ = plan_levels(slow, 0.2, SHARDS, [rung], streak, opts)
+    (rung,), streak, _ = plan_levels(CostModel(fast, 0.2, SHARDS, options=opts))
+    (dropped,), streak, _ = plan_levels(
+        CostModel(slow, 0.2, SHARDS, options=opts), current=[rung], streak=streak
+    )
     assert dropped > rung, "a rung that no longer fits is left at the first decision"
     history = []
     current = [dropped]
     for _ in range(4):
-        current, streak, _ = plan_levels(fast, 0.2, SHARDS, current, streak, opts)
+        current, streak, _ = plan_levels(
+            CostModel(fast, 0.2, SHARDS, options=opts), current=current, streak=streak
+        )
         history.append(current[0])
     assert history[:2] == [dropped, dropped] and history[2] == rung, history
     # a lighter rung that fits only without margin never tempts it
@@ -203,7 +216,9 @@ def test_hysteresis_compresses_more_at_once_and_less_only_after_patience():
     current, streak = [3], [0]
     for _ in range(6):
         current, streak, _ = plan_levels(
-            [LinkEstimate(edge * 1.01, 0.0)], 0.2, SHARDS, current, streak, opts
+            CostModel([LinkEstimate(edge * 1.01, 0.0)], 0.2, SHARDS, options=opts),
+            current=current,
+            streak=streak,
         )
     assert current == [3]
 
@@ -216,7 +231,9 @@ def test_no_flapping_under_noise():
     for _ in range(40):
         bw = 210 * MBIT * rng.uniform(0.85, 1.15)  # a noisy US-EU link
         current, streak, _ = plan_levels(
-            [LinkEstimate(bw, 0.05)], 0.3, SHARDS, current, streak, opts
+            CostModel([LinkEstimate(bw, 0.05)], 0.3, SHARDS, options=opts),
+            current=current,
+            streak=streak,
         )
         seen.append(current[0])
     changes = sum(a != b for a, b in itertools.pairwise(seen))
@@ -238,11 +255,11 @@ def test_absurd_round_trips_are_rejected(rtt):
 def test_bad_arguments_are_rejected():
     link = [LinkEstimate(100 * MBIT, 0.0)]
     with pytest.raises(ValueError, match="compute_time=0"):
-        plan_levels(link, 0, SHARDS)
+        plan_levels(CostModel(link, 0, SHARDS))
     with pytest.raises(ValueError, match="shard_numels"):
-        plan_levels(link, 0.1, [])
+        plan_levels(CostModel(link, 0.1, []))
     with pytest.raises(ValueError, match="one entry per region"):
-        plan_levels(link, 0.1, SHARDS, current=[0, 0])
+        plan_levels(CostModel(link, 0.1, SHARDS), current=[0, 0])
     with pytest.raises(ValueError, match="hidden_fraction=0"):
         ControllerOptions(hidden_fraction=0)
     with pytest.raises(ValueError, match="unknown controller options"):
@@ -336,10 +353,10 @@ def test_uniform_links_are_one_region():
 def test_cpu_cost_of_a_rung_counts():
     """On a CPU, top-k 10% can cost more to encode and decode than 1%: the cheaper one wins."""
     link = [LinkEstimate(500 * MBIT, 0.0)]
-    plain, _, _ = plan_levels(link, 0.2, SHARDS)
+    plain, _, _ = plan_levels(CostModel(link, 0.2, SHARDS))
     assert level_name(plain[0]) == "topk>quant:(0.1, 8)"
     cpu = [0.0, 0.002, 0.01, 0.01, 0.09, 0.01, 0.008, 0.008]  # seconds per step, by rung
-    costly, _, _ = plan_levels(link, 0.2, SHARDS, cpu_seconds=cpu)
+    costly, _, _ = plan_levels(CostModel(link, 0.2, SHARDS, cpu=cpu))
     assert level_name(costly[0]) == "topk>quant:(0.01, 8)"
 
 
@@ -349,18 +366,16 @@ def test_when_nothing_fits_compression_stops_where_it_stops_paying():
     link = [LinkEstimate(100 * MBIT, 0.0)]
     overhead = [0.0] + [0.5] * (len(LADDER) - 1)
     whole = ControllerOptions(min_density=0)  # the whole ladder: the guard has its own test
-    rungs, _, _ = plan_levels(link, 0.05, SHARDS, extra_seconds=overhead, options=whole)
+    rungs, _, _ = plan_levels(CostModel(link, 0.05, SHARDS, options=whole, extra=overhead))
     times = [
         rung_bytes(r, SHARDS, 1) / (100 * MBIT) + o for r, o in zip(LADDER, overhead, strict=True)
     ]
     assert times[rungs[0]] <= min(times) + 0.2 * 0.05  # slack: a share of the compute time
     assert rungs[0] < len(LADDER) - 1, "not the most compressed rung"
     strict, _, _ = plan_levels(
-        link,
-        0.05,
-        SHARDS,
-        options=ControllerOptions(slack=0.0, min_density=0),
-        extra_seconds=overhead,
+        CostModel(
+            link, 0.05, SHARDS, options=ControllerOptions(slack=0.0, min_density=0), extra=overhead
+        )
     )
     assert strict[0] == min(range(len(times)), key=times.__getitem__)
 
@@ -370,19 +385,23 @@ def test_measured_uncompressed_time_decides_for_none():
     estimate says, and one measured too slow leaves it."""
     link = [LinkEstimate(200 * MBIT, 0.0)]  # an estimate that alone would compress
     overhead = [0.0] + [0.03] * (len(LADDER) - 1)
-    fast, _, _ = plan_levels(link, 0.2, SHARDS, extra_seconds=overhead, none_seconds=0.02)
+    fast, _, _ = plan_levels(CostModel(link, 0.2, SHARDS, extra=overhead, none_seconds=0.02))
     assert fast == [0]
-    slow, _, _ = plan_levels(link, 0.2, SHARDS, extra_seconds=overhead, none_seconds=0.5)
+    slow, _, _ = plan_levels(CostModel(link, 0.2, SHARDS, extra=overhead, none_seconds=0.5))
     assert slow[0] > 0
     # nothing fits a 20 ms step: the measured all-reduce (30 ms) is left for rungs modelled at
     # about 22 ms only when it is clearly slower, not on the model's word for 8 ms
     tight = [0.0] + [0.02] * (len(LADDER) - 1)
-    stay, _, _ = plan_levels(link, 0.02, SHARDS, [0], extra_seconds=tight, none_seconds=0.03)
+    stay, _, _ = plan_levels(
+        CostModel(link, 0.02, SHARDS, extra=tight, none_seconds=0.03), current=[0]
+    )
     assert stay == [0]
-    leave, _, _ = plan_levels(link, 0.02, SHARDS, [0], extra_seconds=tight, none_seconds=0.05)
+    leave, _, _ = plan_levels(
+        CostModel(link, 0.02, SHARDS, extra=tight, none_seconds=0.05), current=[0]
+    )
     assert leave[0] > 0
     with pytest.raises(ValueError, match="cpu_seconds: one non-negative"):
-        plan_levels(link, 0.2, SHARDS, cpu_seconds=[0.0])
+        plan_levels(CostModel(link, 0.2, SHARDS, cpu=[0.0]))
 
 
 def test_a_pipeline_only_where_round_trips_matter():

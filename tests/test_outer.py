@@ -14,7 +14,8 @@ from distributed import run_ranks
 
 from cloudtrain import CompressionConfig
 from cloudtrain.config import PRESETS, OuterConfig
-from cloudtrain.outer import OUTER_LADDER, Link, choose_schedule
+from cloudtrain.costs import LinkEstimate
+from cloudtrain.outer import OUTER_LADDER, choose_schedule
 
 
 def make_model() -> torch.nn.Module:
@@ -436,12 +437,15 @@ def nbytes(rung, m):
 
 
 def test_schedule_fast_link_smallest_h_no_compression():
-    s = choose_schedule(1_000_000, [Link(1e10, 1e-4)] * 2, 2, 0.1, 1, 0, nbytes)
+    s = choose_schedule(1_000_000, [LinkEstimate(1e10, 1e-4)] * 2, 2, 0.1, 1, 0, nbytes)
     assert (s.sync_every, s.rungs, s.fits) == (5, (("none", None),) * 2, True)
 
 
 def test_schedule_slow_link_compresses_per_region_and_fits_the_budget():
-    links = [Link(50e6 / 8, 0.18), Link(1e9, 0.18)]  # 50 Mbit/s out of region 0, fast out of 1
+    links = [
+        LinkEstimate(50e6 / 8, 0.18),
+        LinkEstimate(1e9, 0.18),
+    ]  # 50 Mbit/s out of region 0, fast out of 1
     s = choose_schedule(1_400_000, links, 2, 0.05, 1, 0, nbytes)
     assert s.fits
     budget = 0.1 * 0.05 * s.sync_every
@@ -462,7 +466,7 @@ def test_schedule_slow_link_compresses_per_region_and_fits_the_budget():
 
 
 def test_schedule_overlap_hides_exchange_in_tau_steps():
-    links = [Link(50e6 / 8, 0.18)] * 2
+    links = [LinkEstimate(50e6 / 8, 0.18)] * 2
     s = choose_schedule(1_400_000, links, 2, 0.05, 4, 5, nbytes)
     assert s.fits and s.exchange_s <= 5 * 0.05 and s.sync_every > 5
     never = choose_schedule(1_400_000, links, 2, 0.05, 1, 1, nbytes)  # 50 ms < one RTT
@@ -473,16 +477,16 @@ def test_schedule_overlap_hides_exchange_in_tau_steps():
 
 
 def test_schedule_round_trip_bound_link_compresses_only_what_saves_time():
-    links = [Link(1e10, 0.5)] * 2  # fast, far: the RTT alone exceeds every budget
+    links = [LinkEstimate(1e10, 0.5)] * 2  # fast, far: the RTT alone exceeds every budget
     s = choose_schedule(1_000_000, links, 1, 0.01, 1, 0, nbytes, sync_every=10)
     assert not s.fits and s.rungs == (("none", None),) * 2
 
 
 def test_schedule_bad_inputs():
     with pytest.raises(ValueError, match="step_s"):
-        choose_schedule(10, [Link(1, 0)], 1, 0.0, 1, 0, nbytes)
+        choose_schedule(10, [LinkEstimate(1e6, 0)], 1, 0.0, 1, 0, nbytes)
     with pytest.raises(ValueError, match="positive"):
-        choose_schedule(0, [Link(1, 0)], 1, 0.1, 1, 0, nbytes)
+        choose_schedule(0, [LinkEstimate(1e6, 0)], 1, 0.1, 1, 0, nbytes)
 
 
 # -- errors --------------------------------------------------------------------------------------

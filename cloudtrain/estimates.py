@@ -1,0 +1,347 @@
+"""What the controller has measured: each interval's observations from every rank, summed up
+(`Interval`), and the smoothed estimates they feed (`Estimates`) - link bandwidth and round trip,
+compute time, the dense reduction inside regions, the plain all-reduce, what the byte model leaves
+out, zstd gains, and the measured step time of every plan run lately.
+
+    interval = Interval.of(gathered, topo.members, warm=True)
+    estimates.observe(interval, ...)            # rank 0, at a decision
+    links = estimates.links()                   # -> [LinkEstimate] for the cost model
+
+Bandwidth starts from the active probe (cloudtrain.probe, read by `region_links`) and follows the
+real transfers: each shard owner times every packet it receives; a drop counts at once, a rise is
+smoothed (EWMA), packets too small to show bandwidth are ignored, and links left unmeasured for a
+while are re-probed briefly by the region leaders. Rank 0 updates the estimates at each decision,
+and every rank gets them with the decision, so all ranks hold the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .compress import ErrorFeedback, RandomKey, ZstdGain, from_wire, to_wire
+from .costs import MAX_BANDWIDTH, MIN_BANDWIDTH, LinkEstimate
+from .guard import QualitySums
+from .plan import Codecs, Rung
+
+BURST_BYTES = 1 << 18
+"""Shapers and policers are token buckets: messages smaller than this may pass at line rate, so
+they can show a link slower than thought, never one faster."""
+
+STALE_DECISIONS = 12
+"""Decisions without a usable measurement of a link before its leaders re-probe it."""
+
+
+def smoothed(new: float, old: float | None, weight: float) -> float:
+    """An exponentially weighted moving average's next value (`new` itself when there is no old
+    one yet)."""
+    return new if old is None else weight * new + (1 - weight) * old
+
+
+def region_links(matrix: Any, members: Sequence[Sequence[int]], shards: int) -> list[LinkEstimate]:
+    """Each region's link as the probe measured it: its slowest link to another region, the
+    bandwidth shared by the region's shard owners' parallel flows, and the fastest round trip
+    (noise only adds to a round trip). `matrix`: a cloudtrain.probe.LinkMatrix by rank."""
+    out = []
+    for r, mine in enumerate(members):
+        others = [j for q, m in enumerate(members) if q != r for j in m]
+        pairs = [(i, j) for i in mine for j in others]
+        bandwidth = min(matrix.beta[i][j] for i, j in pairs) / shards
+        rtt = min(min(matrix.alpha[i][j] for i, j in pairs), 60.0)
+        out.append(LinkEstimate(min(max(bandwidth, MIN_BANDWIDTH), MAX_BANDWIDTH), rtt))
+    return out
+
+
+def intra_guess(
+    matrix: Any, members: Sequence[Sequence[int]], shards: int, shard_numels: Sequence[int]
+) -> float:
+    """Seconds per step of the dense reduce-scatter and all-gather inside regions, from the
+    probed links (a cloudtrain.probe.LinkMatrix, or None): each moves about the whole bucket
+    (fp32) once."""
+    pairs = [(i, j) for m in members for i in m for j in m if i != j]
+    if matrix is None or not pairs:
+        return 0.0
+    slowest = min(matrix.beta[i][j] for i, j in pairs)
+    return 2 * 4 * sum(shard_numels) * shards / slowest
+
+
+def time_rungs(
+    codecs: Codecs, ladder: Sequence[Rung], numel: int, senders: int, device: Any = "cpu"
+) -> list[float]:
+    """Seconds per element that encoding (with error feedback) a packet of `numel` elements and
+    decoding `senders` of them take at each rung, on heavy-tailed data (the best of two).
+
+    Compressing more is not always cheaper: on a CPU, top-k 10% costs more than top-k 1%. The
+    "none" rung costs nothing here: a plan without compression is one plain all-reduce."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen) ** 3).to(device)
+    costs = []
+    for name, level in ladder:
+        if name == "none":
+            costs.append(0.0)
+            continue
+        codec, ef, best = codecs(name), ErrorFeedback(), math.inf
+        for rep in range(2):
+            t0 = time.perf_counter()
+            wire = to_wire(ef.encode(0, x, codec, level, RandomKey(step=rep)))
+            codec.accumulate([from_wire(wire, codec)] * senders, torch.zeros_like(x))
+            best = min(best, time.perf_counter() - t0)
+        costs.append(best / numel)
+    return costs
+
+
+def passive_bandwidth(
+    samples: Sequence[tuple[int, float]],
+    latency: float,
+    current: float | None = None,
+    significant: float = 0.002,
+    burst: int = BURST_BYTES,
+) -> float | None:
+    """Bytes/s of a sender from (bytes, seconds) arrivals of its packets, or None if they say
+    nothing about bandwidth.
+
+    Waiting for a late sender only ever adds time, so packets of one size count with their
+    fastest arrival; the latency is taken off. Transfers that took under `significant` seconds
+    in all are latency and scheduling noise, and so are packets that small at the `current`
+    estimate however late they came: a small packet's time is its sender's lateness (regions
+    run a step apart in a pipeline), not bandwidth, and must not shrink the estimate, or the
+    controller would compress ever more. A link that fell while packets are small is found by
+    the leaders' re-probe. Packets all under `burst` bytes cannot raise it either: a token bucket
+    let them through faster than the link's rate.
+    """
+    fastest: dict[int, float] = {}
+    for nbytes, seconds in samples:
+        fastest[nbytes] = min(seconds, fastest.get(nbytes, math.inf))
+    moving = sum(max(t - latency, 0.0) for t in fastest.values())
+    expected = sum(fastest) / current if current else math.inf
+    if moving < significant or expected < significant:
+        return None
+    measured = min(max(sum(fastest) / moving, MIN_BANDWIDTH), MAX_BANDWIDTH)
+    if current and measured > current and max(fastest) < burst:
+        return None
+    return measured
+
+
+def _by_region(
+    matrix: list[list[float]] | None, members: Sequence[Sequence[int]]
+) -> list[list[float]] | None:
+    """The leaders' probe matrix (indexed by rank in the leaders' group, which is by global
+    rank) in region order."""
+    if matrix is None:
+        return None
+    leaders = [m[0] for m in members]
+    at = [sorted(leaders).index(leader) for leader in leaders]  # region -> group rank
+    return [[matrix[at[r]][at[q]] for q in range(len(at))] for r in range(len(at))]
+
+
+def _median(values: Sequence[float]) -> float | None:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Every rank's observations since the last decision (cloudtrain.stats.Observations, as
+    gathered), summed up by region."""
+
+    compute_s: float | None
+    """The median compute time of a step over all ranks."""
+    step_s: float | None
+    """The median whole step."""
+    arrivals: list[list[tuple[int, float]]]
+    """By sender region: (bytes, seconds) of every packet timed on arrival."""
+    stages: dict[str, float]
+    """Seconds per step of each stage, on rank 0."""
+    zstd: list[list[tuple[float, float, float, int]]]
+    """By region: its owners' zstd trials (ratio, encode and decode s/B, bytes tried)."""
+    quality: list[QualitySums]
+    """By region: its owners' quality probes (cloudtrain.guard)."""
+    probed: list[list[float]] | None = None
+    """The leaders' re-probe, where they ran one: bandwidth from region to region."""
+
+    @classmethod
+    def of(cls, gathered: list[dict[str, Any]], members: Sequence[Sequence[int]]) -> Interval:
+        regions = range(len(members))
+        quality = []
+        for ranks in members:
+            total = QualitySums()
+            for rank in ranks:
+                if gathered[rank].get("quality") is not None:
+                    total = total + QualitySums(*gathered[rank]["quality"])
+            quality.append(total)
+        return cls(
+            _median([c for g in gathered for c in g["compute"]]),
+            _median([s for g in gathered for s in g.get("steps", [])]),
+            [[s for g in gathered for s in g["received"].get(r, [])] for r in regions],
+            dict(gathered[0].get("stage_seconds", {})),
+            [[t for rank in ranks for t in gathered[rank].get("zstd", [])] for ranks in members],
+            quality,
+            _by_region(next((g["leader_links"] for g in gathered if "leader_links" in g), None),
+                       members),
+        )  # fmt: skip
+
+
+@dataclass
+class Estimates:
+    """The controller's smoothed measurements (module docstring)."""
+
+    bandwidth: list[float | None]
+    """By region: bytes/s of its packets to the other regions (None: not known)."""
+    rtt: list[float]
+    """By region: its round trip in seconds."""
+    compute_s: float | None = None
+    intra_s: float | None = None
+    """The dense reduce-scatter and all-gather inside regions, seconds per step."""
+    allreduce_s: float | None = None
+    """A plain all-reduce's time per step, as measured."""
+    allreduce_bw: float = 0.0
+    """The slowest link's bandwidth when `allreduce_s` was measured."""
+    unmodelled_s: float | None = None
+    """Compressed steps' time beyond the model (thread hand-offs, per-bucket latency)."""
+    unmeasured: list[int] = field(default_factory=list)
+    """By region: decisions since its link was last measured."""
+    zstd_gains: dict[tuple[int, int], ZstdGain] = field(default_factory=dict)
+    """(region, rung) -> the smoothed gain of the zstd stage there."""
+    measured_steps: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
+    """(rungs, staleness) -> (step seconds, slowest link, compute) as measured."""
+
+    @classmethod
+    def start(cls, regions: int) -> Estimates:
+        return cls([None] * regions, [0.0] * regions, unmeasured=[0] * regions)
+
+    def links(self) -> list[LinkEstimate]:
+        """The links for the cost model (an unknown bandwidth: as fast as a link can be)."""
+        return [
+            LinkEstimate(b if b is not None else MAX_BANDWIDTH, r)
+            for b, r in zip(self.bandwidth, self.rtt, strict=True)
+        ]
+
+    @property
+    def slowest(self) -> float:
+        return min((b for b in self.bandwidth if b is not None), default=MAX_BANDWIDTH)
+
+    def observe_links(self, interval: Interval, warm: bool, shards: int, ewma: float) -> bool:
+        """The interval's re-probe and packet arrivals into the bandwidth estimates; returns
+        whether the leaders should re-probe (links left unmeasured too long)."""
+        if interval.probed is not None:
+            probed = interval.probed
+            for r in range(len(self.bandwidth)):
+                slowest = min(probed[r][q] for q in range(len(probed)) if q != r)
+                self.bandwidth[r] = min(max(slowest / shards, MIN_BANDWIDTH), MAX_BANDWIDTH)
+        for region in range(len(self.bandwidth)):
+            samples = interval.arrivals[region] if warm else []
+            measured = passive_bandwidth(samples, self.rtt[region], self.bandwidth[region])
+            if measured is None:
+                self.unmeasured[region] += 1
+                continue
+            self.unmeasured[region] = 0
+            old = self.bandwidth[region]
+            # a drop counts at once (the link is slow now); a rise is smoothed
+            rise = old is not None and measured > old
+            self.bandwidth[region] = smoothed(measured, old if rise else None, ewma)
+        if interval.probed is not None:
+            self.unmeasured = [0] * len(self.bandwidth)
+        return max(self.unmeasured) >= STALE_DECISIONS
+
+    def observe_stages(self, stages: dict[str, float], ewma: float) -> None:
+        """What the dense parts cost per step (rank 0's view), where the interval ran them. The
+        plain all-reduce of an uncompressed interval is the "none" rung's measured time; it holds
+        until the links are found much faster than when it was measured."""
+        intra = stages.get("intra_reduce", 0.0) + stages.get("intra_gather", 0.0)
+        if intra > 0:
+            self.intra_s = smoothed(intra, self.intra_s, ewma)
+        slowest = self.slowest
+        if stages.get("allreduce"):
+            # smoothed: one slow interval is noise, a drop shows at once
+            self.allreduce_s = smoothed(stages["allreduce"], self.allreduce_s, ewma)
+            self.allreduce_bw = slowest
+        elif self.allreduce_s is not None and slowest > 2 * self.allreduce_bw:
+            self.allreduce_s = None
+
+    def observe_unmodelled(self, compressed: float, model: float, ewma: float) -> None:
+        """A compressed interval's measured seconds per step against its model's."""
+        self.unmodelled_s = smoothed(max(compressed - model, 0.0), self.unmodelled_s, ewma)
+
+    def observe_zstd(self, interval: Interval, ran: Sequence[int], ewma: float) -> None:
+        """The interval's zstd trials (made at the rungs `ran`) into the smoothed gain of each
+        (region, rung), weighted by the bytes tried."""
+        for region, tried in enumerate(interval.zstd):
+            total = sum(t[3] for t in tried)
+            if total <= 0:
+                continue
+            mean = ZstdGain(
+                total / sum(t[3] / t[0] for t in tried),
+                sum(t[1] * t[3] for t in tried) / total,
+                sum(t[2] * t[3] for t in tried) / total,
+            )
+            key = (region, ran[region])
+            old = self.zstd_gains.get(key)
+            if old is not None:
+                pairs = zip(dataclasses.astuple(mean), dataclasses.astuple(old), strict=True)
+                mean = ZstdGain(*(smoothed(m, o, ewma) for m, o in pairs))
+            self.zstd_gains[key] = mean
+
+    def observe_step(self, plan: tuple, step_s: float | None, ewma: float) -> None:
+        """The whole step time of the plan that ran (smoothed), kept with the link and compute it
+        was measured at; measurements go when the slowest link or the compute time has changed
+        by 2x since."""
+        compute, slowest = self.compute_s or 1.0, self.slowest
+        if step_s is not None:
+            old = self.measured_steps.get(plan)
+            took = smoothed(step_s, None if old is None else old[0], ewma)
+            self.measured_steps[plan] = (took, slowest, compute)
+        self.measured_steps = {
+            p: m
+            for p, m in self.measured_steps.items()
+            if 0.5 <= m[1] / slowest <= 2 and 0.5 <= m[2] / compute <= 2
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "bandwidth": list(self.bandwidth),
+            "rtt": list(self.rtt),
+            "compute_time": self.compute_s,
+            "intra_s": self.intra_s,
+            "allreduce_s": self.allreduce_s,
+            "allreduce_bw": self.allreduce_bw,
+            "unmodelled_s": self.unmodelled_s,
+            "unmeasured": list(self.unmeasured),
+            "zstd_gains": [
+                [r, rung, *dataclasses.astuple(g)] for (r, rung), g in self.zstd_gains.items()
+            ],
+            "measured_steps": [
+                [list(rungs), staleness, *m]
+                for (rungs, staleness), m in self.measured_steps.items()
+            ],
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Estimates:
+        regions = len(state["bandwidth"])
+        return cls(
+            list(state["bandwidth"]),
+            list(state["rtt"]),
+            state["compute_time"],
+            state["intra_s"],
+            state["allreduce_s"],
+            state["allreduce_bw"],
+            state["unmodelled_s"],
+            list(state.get("unmeasured", [0] * regions)),
+            {
+                (int(r), int(rung)): ZstdGain(ratio, encode, decode)
+                for r, rung, ratio, encode, decode in state.get("zstd_gains", [])
+            },
+            {
+                (tuple(rungs), int(staleness)): (took, bandwidth, compute)
+                for rungs, staleness, took, bandwidth, compute in state.get("measured_steps", [])
+            },
+        )
+
+    def copy(self) -> Estimates:
+        return Estimates.from_state(self.state_dict())

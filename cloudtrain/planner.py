@@ -1,0 +1,288 @@
+"""Rank 0's decision at a due step: from everyone's observations to the `Decision` every rank
+applies (cloudtrain.controller carries the observations and the decision between the ranks).
+
+    planner = Planner(options, codecs, topo, cpu_per_element, config)
+    decision = planner.decide(current, gathered, ran, took)
+
+The interval's observations update a copy of the estimates (cloudtrain.estimates); the cost model
+(cloudtrain.costs) of those estimates gives each region's rung and the pipeline's depth; the
+quality guard (cloudtrain.guard) caps both from what the interval measured of the update; a plan
+measured faster than the model's choice replaces it; and the zstd stage goes on per link where it
+pays. The estimates and the guard travel with the decision, so every rank holds rank 0's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .config import CompressionConfig, ControllerOptions
+from .costs import CostModel, faster_measured, plan_levels, plan_staleness, plan_zstd
+from .estimates import Estimates, Interval, intra_guess, region_links
+from .guard import QualityGuard
+from .plan import Codecs, Plan, Rung, describe
+from .stats import STAGES
+from .topology import Topology
+
+FIRST_DECISION = 2
+"""The first due step (the first step whose compute time was measured is step 1)."""
+
+COMPRESSED_STAGES = tuple(s for s in STAGES if s != "allreduce")
+"""The hierarchy's stages: what a compressed step spends on its packets."""
+
+
+@dataclass(frozen=True)
+class Current:
+    """What a decision starts from: the plan in force and what is known."""
+
+    rungs: list[int]
+    streak: list[int]
+    staleness: int
+    estimates: Estimates
+    guard: QualityGuard | None
+    shard_numels: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What rank 0 decided from the observations gathered at due step `step`; it takes effect at
+    the next due step, on every rank alike."""
+
+    step: int
+    rungs: tuple[int, ...]
+    streak: tuple[int, ...]
+    staleness: int
+    zstd: tuple[bool, ...]
+    interval: int
+    """Steps until the next decision."""
+    reprobe: bool
+    """The region leaders measure the links at the next gathering."""
+    estimates: dict[str, Any]
+    """Estimates.state_dict(): every rank holds rank 0's."""
+    guard: dict[str, Any] | None
+    """QualityGuard.state_dict()."""
+    record: dict[str, Any]
+    """The history entry: levels by name, links, budgets, the log text, the guard's notes."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Decision:
+        fields = {f.name: state[f.name] for f in dataclasses.fields(cls)}
+        for name in ("rungs", "streak", "zstd"):
+            fields[name] = tuple(fields[name])
+        return cls(**fields)
+
+
+def _record(
+    step: int,
+    ladder: Sequence[Rung],
+    names: Sequence[str],
+    model: CostModel,
+    plan: tuple[list[int], int, list[bool]],
+    interval: Interval,
+    notes: list[str],
+) -> dict[str, Any]:
+    rungs, staleness, zstd = plan
+    levels = [
+        describe(ladder[r]) + (" + zstd" if z else "") for r, z in zip(rungs, zstd, strict=True)
+    ]
+    budgets = [link.bandwidth * model.usable for link in model.links]
+    text = (
+        "plan "
+        + ", ".join(
+            f"{name}: {level} ({8 * link.bandwidth / 1e6:.1f} Mbit/s, budget {b / 1e6:.2f} MB/step)"
+            for name, level, link, b in zip(names, levels, model.links, budgets, strict=True)
+        )
+        + f"; staleness {staleness}; compute {1000 * model.compute_time:.0f} ms/step"
+    )
+    return {
+        "step": step,
+        "rungs": list(rungs),
+        "levels": levels,
+        "bandwidth_Bps": [link.bandwidth for link in model.links],
+        "budget_B": budgets,
+        "compute_s": model.compute_time,
+        "staleness": staleness,
+        "zstd": list(zstd),
+        # packets timed on arrival, by sender region (the passive bandwidth estimate's data)
+        "arrivals": [len(a) for a in interval.arrivals],
+        "text": text,
+        "guard_notes": notes,
+    }
+
+
+class Planner:
+    """Rank 0's decision logic (module docstring): what is fixed for the run."""
+
+    def __init__(
+        self,
+        config: CompressionConfig,
+        codecs: Codecs,
+        topo: Topology,
+        cpu_per_element: Sequence[float],
+    ) -> None:
+        self.options: ControllerOptions = config.controller
+        self.codecs, self.topo, self.cpu_per_element = codecs, topo, list(cpu_per_element)
+        self.zstd_choice = config.zstd  # None: decided per link (plan_zstd)
+        self.pinned_staleness = config.staleness is not None  # the user's, not the guard's
+        self.allowed_staleness: tuple[int, ...] = (
+            (config.staleness,) if self.pinned_staleness else tuple(range(self.options.max_staleness + 1))
+        )  # fmt: skip
+
+    def plan_of(self, rungs: Sequence[int], staleness: int = 0, zstd: tuple = ()) -> Plan:
+        return Plan(tuple(self.options.ladder[r] for r in rungs), staleness, zstd)
+
+    def cpu_seconds(self, shard_numels: Sequence[int]) -> list[float]:
+        total = sum(shard_numels)
+        return [c * total for c in self.cpu_per_element]
+
+    def seed(
+        self, estimates: Estimates, guard: QualityGuard | None, shard_numels: Sequence[int]
+    ) -> tuple[list[int], list[int], int]:
+        """The first rungs, streaks and depth, from the active probe (estimates.region_links,
+        written into `estimates`) at the assumed compute time (every rank alike)."""
+        links = region_links(self.topo.links, self.topo.members, self.topo.shards)
+        estimates.bandwidth = [link.bandwidth for link in links]
+        estimates.rtt = [link.rtt for link in links]
+        model = CostModel(
+            links, self.options.initial_compute_s, shard_numels, self.options,
+            self.cpu_seconds(shard_numels), codecs=self.codecs,
+        )  # fmt: skip
+        depths = self._guarded(model.useful_depths(self.allowed_staleness), guard)
+        ceilings = None if guard is None else guard.ceilings
+        rungs, streak, _ = plan_levels(model, depths=depths, ceilings=ceilings)
+        return rungs, streak, plan_staleness(model, rungs, depths)
+
+    def decide(
+        self, step: int, now: Current, gathered: list[Any], ran: tuple, took: float
+    ) -> Decision:
+        """The plan from everyone's observations gathered at due step `step`, measured under the
+        plan `ran` (rungs, staleness; `now` may have taken effect since). `took`: seconds the
+        gathering took; the next decisions come that much further apart in steps (twice it, for
+        the broadcast back), so that each has arrived when due."""
+        opts, warm = self.options, step > FIRST_DECISION  # the first steps: peers warming up
+        interval = Interval.of(gathered, self.topo.members)
+        shard_numels = now.shard_numels
+        est = now.estimates.copy()
+        est.compute_s = interval.compute_s or est.compute_s or 1.0
+        reprobe = est.observe_links(interval, warm, self.topo.shards, opts.ewma)
+        stages = interval.stages if warm else {}
+        est.observe_stages(stages, opts.ewma)
+        model = self._cost_model(est, stages, shard_numels, ran[0])
+        depths = model.useful_depths(self.allowed_staleness)
+        guard, notes = self._guard_step(now, model, interval, ran, depths)
+        depths = self._guarded(depths, guard)
+        ceilings = None if guard is None else guard.ceilings
+        rungs, streak, _ = plan_levels(model, now.rungs, now.streak, depths, ceilings)
+        staleness = plan_staleness(model, rungs, depths)
+        # a shallower pipeline one step at a time: each change of depth applies two steps'
+        # gradients at once (or none), so it should not flap
+        staleness = max(staleness, min(now.staleness - 1, max(depths)))
+        if step > FIRST_DECISION + opts.interval:  # the first steps are not their plan's time
+            est.observe_step((tuple(ran[0]), ran[1]), interval.step_s, opts.ewma)
+        else:
+            est.observe_step((tuple(ran[0]), ran[1]), None, opts.ewma)
+        rungs, streak, staleness = self._measured_best(
+            est, rungs, streak, staleness, ceilings, depths
+        )
+        est.observe_zstd(interval, ran[0], opts.ewma)
+        zstd = self._zstd(est, rungs, staleness, model)
+        per_step = interval.step_s if interval.step_s is not None else model.compute_time
+        every = max(opts.interval, min(math.ceil(2 * took / max(per_step, 1e-3)) + 1, 10_000))
+        plan = (rungs, staleness, zstd)
+        record = _record(step, opts.ladder, self.topo.regions, model, plan, interval, notes)
+        return Decision(
+            step, tuple(rungs), tuple(streak), staleness, tuple(zstd), every, reprobe,
+            est.state_dict(), None if guard is None else guard.state_dict(), record,
+        )  # fmt: skip
+
+    def _cost_model(
+        self, est: Estimates, stages: dict[str, float], shard_numels: Sequence[int], ran: list[int]
+    ) -> CostModel:
+        """The cost model of the estimates. Compressed rungs also pay for the reduction inside
+        regions (measured once they ran, until then estimated from the probed links inside
+        regions) and for what the model of bytes and CPU leaves out (thread hand-offs,
+        per-bucket latency): the difference between a compressed interval's measured time and
+        its model, smoothed."""
+        opts, links, cpu = self.options, est.links(), self.cpu_seconds(shard_numels)
+        overhead = est.intra_s
+        if overhead is None:  # until it is measured: from the probed links inside regions
+            topo = self.topo
+            overhead = intra_guess(topo.links, topo.members, topo.shards, shard_numels)
+        compressed = sum(stages.get(k, 0.0) for k in COMPRESSED_STAGES)
+        if compressed > 0 and not self.plan_of(ran).lossless:
+            receivers = max(len(links) - 1, 1)
+            modelled = overhead + max(
+                self.codecs.step_nbytes(opts.ladder[r], shard_numels, receivers) / link.bandwidth
+                + cpu[r]
+                for r, link in zip(ran, links, strict=True)
+            )
+            est.observe_unmodelled(compressed, modelled, opts.ewma)
+        lossy = overhead + (est.unmodelled_s or 0.0)
+        extra = [0.0 if name == "none" else lossy for name, _ in opts.ladder]
+        return CostModel(
+            links, est.compute_s, shard_numels, opts, cpu, extra, est.allreduce_s, self.codecs
+        )
+
+    def _guard_step(
+        self, now: Current, model: CostModel, interval: Interval, ran: tuple, depths: Sequence[int]
+    ) -> tuple[QualityGuard | None, list[str]]:
+        """The quality guard's next state (a copy: the decision carries it), from what the links
+        want and what the interval measured."""
+        if now.guard is None:
+            return None, []
+        wanted, _, _ = plan_levels(model, now.rungs, now.streak, depths)
+        wanted_staleness = plan_staleness(model, wanted, depths)
+        guard = QualityGuard.from_state(now.guard.state_dict())
+        opts = self.options
+        notes = guard.decide(
+            interval.quality, ran[0], ran[1], wanted, wanted_staleness, opts.quality_bound,
+            opts.drift_bound, opts.patience,
+        )  # fmt: skip
+        return guard, notes
+
+    def _guarded(self, depths: Sequence[int], guard: QualityGuard | None) -> tuple[int, ...]:
+        """The pipeline depths the quality guard allows of `depths` (all of a pinned one)."""
+        if guard is None or self.pinned_staleness:
+            return tuple(depths)
+        return tuple(d for d in depths if d <= guard.max_staleness) or (min(depths),)
+
+    def _measured_best(
+        self,
+        est: Estimates,
+        rungs: list[int],
+        streak: list[int],
+        staleness: int,
+        ceilings: Sequence[int] | None,
+        depths: Sequence[int],
+    ) -> tuple[list[int], list[int], int]:
+        """A rung that does not make the step faster is never taken - checked against what was
+        measured, not only the model: the model's choice is replaced by a plan measured more than
+        5 % faster than the choice was measured to be (Estimates.measured_steps), among the plans
+        the quality guard allows."""
+        allowed = {
+            plan: m
+            for plan, m in est.measured_steps.items()
+            if ceilings is None
+            or (all(r <= c for r, c in zip(plan[0], ceilings, strict=True)) and plan[1] in depths)
+        }
+        best = faster_measured(allowed, (tuple(rungs), staleness))
+        if best is None:
+            return rungs, streak, staleness
+        return list(best[0]), [0] * len(rungs), best[1]
+
+    def _zstd(
+        self, est: Estimates, rungs: list[int], staleness: int, model: CostModel
+    ) -> list[bool]:
+        """The zstd stage per link at the rungs chosen (plan_zstd), from the smoothed gains."""
+        regions = len(rungs)
+        if self.zstd_choice is not None:  # the config says
+            return [self.zstd_choice] * regions
+        if staleness == 0 and self.plan_of(rungs).lossless:
+            return [False] * regions  # one plain all-reduce: no packets to compress
+        return plan_zstd([est.zstd_gains.get((r, rungs[r])) for r in range(regions)], model.links)
