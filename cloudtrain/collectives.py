@@ -111,6 +111,32 @@ def collective_failure(
     )
 
 
+def all_reduce_async(
+    buf: torch.Tensor, ranks: Sequence[int], group: Any, where: str, timeout_s: float
+) -> torch.futures.Future:
+    """`buf` summed over `ranks` in place (over one rank: at once), as a future; its failure is
+    a CommError naming the all-reduce, the ranks and `where` (collective_failure). Other errors
+    raised by what the caller chains on it pass as they are."""
+    if len(ranks) == 1:
+        work: torch.futures.Future = torch.futures.Future()
+        work.set_result([buf])
+    else:
+        work = dist.all_reduce(buf, group=group, async_op=True).get_future()
+    t0 = time.perf_counter()
+
+    def summed(fut: torch.futures.Future) -> torch.Tensor:
+        try:
+            return fut.value()[0]
+        except Exception as e:
+            seconds, rank = time.perf_counter() - t0, dist.get_rank()
+            text = collective_failure(
+                "all-reduce", ranks, rank, where, seconds, e, timeout_s=timeout_s
+            )
+            raise CommError(text) from None
+
+    return work.then(summed)
+
+
 def issue(
     stage: str,
     peers: Sequence[int],

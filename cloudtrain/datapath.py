@@ -129,6 +129,27 @@ class CrossRegion:
         self.probe = probe  # set: measure how far each packet's update is from the exact one
         self.timeout = config.timeout
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the data path keeps across steps: residuals, counters, the quality probe."""
+        return {
+            "residuals": None if self.ef is None else self.ef.state_dict(),
+            "stats": self.stats.state_dict(),
+            "quality_probe": None if self.probe is None else self.probe.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.ef is not None:
+            residuals = state["residuals"] or {}
+            if "dtype" not in residuals:  # saved before residuals had ErrorFeedback's own form
+                dtype = str(self.ef.dtype).removeprefix("torch.")
+                residuals = {"dtype": dtype, "residuals": residuals}
+            self.ef.load_state_dict(residuals)
+        self.stats.load_state_dict(state["stats"])
+        if self.observer is not None:
+            self.observer.reset()  # stage times start again from zero
+        if self.probe is not None and state.get("quality_probe") is not None:
+            self.probe.load_state_dict(state["quality_probe"])
+
     def reduce_bucket(
         self, buf: torch.Tensor, plan: Plan, step: int, index: int, where: str
     ) -> None:

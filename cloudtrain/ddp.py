@@ -125,10 +125,10 @@ class CloudDDP(DistributedDataParallel):
         params = list(self.module.parameters())
         names = [name for name, _ in self.module.named_parameters()]
         outer = config.outer is not None
-        self.comm = CommState(config, topo, params, names, region_only=outer)
+        self.comm = CommState(config, topo, params, names)
         super().register_comm_hook(self.comm, compressed_hook)
-        if ddp_kwargs.get("find_unused_parameters"):
-            self.comm.used_map = self.reducer._get_local_used_map  # see CommState.used_map
+        if ddp_kwargs.get("find_unused_parameters"):  # see BucketLayouts.track_unused
+            self.comm.layouts.track_unused(self.reducer._get_local_used_map, topo.rank == 0)
         comm = self.comm
         self.outer = (
             OuterLoop(config, topo, params, optimizer, comm.stats, lambda: comm.step)

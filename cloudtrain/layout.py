@@ -12,10 +12,16 @@ new owner, who compresses them with feedback: nothing is dropped).
 Resumes: the saved run's layouts come back with the comm state, while a fresh DDP starts with its
 one initial bucket. `units` then splits DDP's bucket into the saved buckets, so the resumed run
 reduces exactly the buckets the saved run did and repeats its math bit for bit.
+
+Unused parameters (find_unused_parameters): DDP leaves the gradient of a parameter unused on every
+rank alone, so what a step's sum holds for it - residuals error feedback let go of, pieces that
+waited for it - would be lost; `track_unused` has it taken back into `pending` after DDP's end of
+backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,12 +29,13 @@ from typing import Any
 import torch
 
 from .compress import ErrorFeedback
+from .plan import ceil_div
 
-Layout = tuple[tuple[int, int, int], ...]
+BucketLayout = tuple[tuple[int, int, int], ...]
 """A bucket's (parameter index, offset in the bucket, numel) for every parameter in it."""
 
 
-def layout_numel(layout: Layout) -> int:
+def layout_numel(layout: BucketLayout) -> int:
     return sum(numel for _, _, numel in layout)
 
 
@@ -38,23 +45,55 @@ class Unit:
     its parameters sit in DDP's bucket - when DDP's bucket is not exactly this one."""
 
     index: int
-    layout: Layout
-    placement: Layout | None = None
+    layout: BucketLayout
+    placement: BucketLayout | None = None
+
+    def gather(self, buf: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        """The unit's gradient laid out as its own bucket: `buf` itself where DDP's bucket is
+        this unit (a copy of it with `copy`), else its parameters' pieces gathered from `buf`."""
+        if self.placement is None:
+            return buf.clone() if copy else buf
+        piece = buf.new_empty(layout_numel(self.layout))
+        for (_, here, numel), (_, there, _) in zip(self.layout, self.placement, strict=True):
+            piece[here : here + numel] = buf[there : there + numel]
+        return piece
+
+    def scatter(self, piece: torch.Tensor, buf: torch.Tensor) -> None:
+        """Write `piece` (as from `gather`) back at the unit's places in DDP's bucket `buf`."""
+        if self.placement is None:
+            if piece.data_ptr() != buf.data_ptr():
+                buf.copy_(piece)
+            return
+        for (_, here, numel), (_, there, _) in zip(self.layout, self.placement, strict=True):
+            buf[there : there + numel] = piece[here : here + numel]
 
 
 class BucketLayouts:
     """The learnt bucket layouts and the residual pieces waiting for their parameters."""
 
-    __slots__ = ("_param_index", "layouts", "pending")
+    __slots__ = (
+        "_param_index",
+        "_reclaims",
+        "_used_map",
+        "_written",
+        "layouts",
+        "names",
+        "params",
+        "pending",
+    )
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        self._param_index = {id(p): i for i, p in enumerate(params)}
-        self.layouts: dict[int, Layout] = {}
+    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str] = ()) -> None:
+        self.params, self.names = list(params), list(names)
+        self._param_index = {id(p): i for i, p in enumerate(self.params)}
+        self.layouts: dict[int, BucketLayout] = {}
         self.pending: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self._used_map: Any = None  # with find_unused_parameters: DDP's, after backward
+        self._reclaims = False
+        self._written: list[tuple[BucketLayout, torch.Tensor]] = []
 
     def signature(
         self, buffer: torch.Tensor, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
-    ) -> Layout:
+    ) -> BucketLayout:
         """(parameter index, offset in the bucket, numel) of every parameter in DDP's bucket."""
         base, size = buffer.data_ptr(), buffer.element_size()
         return tuple(
@@ -62,7 +101,7 @@ class BucketLayouts:
             for p, g in zip(params, grads, strict=True)
         )
 
-    def units(self, index: int, sig: Layout, ef: ErrorFeedback | None) -> list[Unit]:
+    def units(self, index: int, sig: BucketLayout, ef: ErrorFeedback | None) -> list[Unit]:
         """The known buckets DDP's bucket `index` (with layout `sig`) consists of.
 
         A DDP bucket that is neither a known bucket nor made of known buckets means DDP changed
@@ -95,9 +134,13 @@ class BucketLayouts:
 
     def release_all(self, ef: ErrorFeedback | None) -> None:
         """Every residual goes back to its parameters (pending), and the layouts are forgotten."""
+        self.release_residuals(ef)
+        self.layouts.clear()
+
+    def release_residuals(self, ef: ErrorFeedback | None) -> None:
+        """Every bucket's residuals go back to their parameters (pending)."""
         for b in list(self.layouts):
             self.release(b, ef)
-            del self.layouts[b]
 
     def release(self, index: int, ef: ErrorFeedback | None) -> None:
         """Bucket `index`'s residuals (one per shard) leave the error feedback, cut at parameter
@@ -116,7 +159,7 @@ class BucketLayouts:
                     piece = residual[a - lo : b - lo].float().clone()
                     self.pending.setdefault(pi, []).append((a - offset, piece))
 
-    def inject(self, layout: Layout, buf: torch.Tensor) -> None:
+    def inject(self, layout: BucketLayout, buf: torch.Tensor) -> None:
         """Add residual pieces of this bucket's parameters into its (scaled) gradient."""
         if not self.pending:
             return
@@ -125,11 +168,55 @@ class BucketLayouts:
                 view = buf[offset + start : offset + start + piece.numel()]
                 view.add_(piece.to(device=view.device, dtype=view.dtype))
 
-    def shard_numels(self, shards: int, params: Sequence[torch.Tensor]) -> list[int]:
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device if self.params else torch.device("cpu")
+
+    def shard_numels(self, shards: int) -> list[int]:
         """Elements of each bucket's shard (before the first step: the model as one bucket)."""
         if self.layouts:
-            return [-(-layout_numel(lay) // shards) for lay in self.layouts.values()]
-        return [-(-sum(p.numel() for p in params if p.requires_grad) // shards)]
+            return [ceil_div(layout_numel(lay), shards) for lay in self.layouts.values()]
+        return [ceil_div(sum(p.numel() for p in self.params if p.requires_grad), shards)]
+
+    # -- unused parameters ----------------------------------------------------------------------
+    def track_unused(self, used_map: Any, reclaims: bool) -> None:
+        """With find_unused_parameters: `used_map` gives DDP's used map after backward (one entry
+        per trainable parameter); `reclaims`: this rank takes back what an unused parameter's
+        sum held (rank 0: every rank's sum is the same)."""
+        self._used_map, self._reclaims = used_map, reclaims
+
+    def watch_backward(self) -> None:
+        """At a step's first bucket, inside backward: have `_reclaim` run right after DDP's own
+        end of backward (which DDP queues after its last bucket; a callback queued from a
+        callback runs after those queued before it)."""
+        if self._used_map is None:
+            return
+        engine = torch.autograd.Variable._execution_engine
+        # RuntimeError: not inside a backward pass (DDP's join() shadows buckets)
+        with contextlib.suppress(RuntimeError):
+            engine.queue_callback(lambda: engine.queue_callback(self._reclaim))
+
+    def written(self, signature: BucketLayout, result: torch.Tensor) -> None:
+        """A bucket's result as DDP gets it (a reference, not a copy: `_reclaim` runs right after
+        DDP's end of backward, before anything writes the bucket again)."""
+        if self._used_map is not None:
+            self._written.append((signature, result))
+
+    def _reclaim(self) -> None:
+        """What this step's sum holds for parameters unused on every rank goes into `pending`:
+        added into that parameter's next gradient, once, as any pending piece is."""
+        written, self._written = self._written, []
+        used = self._used_map()
+        trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
+        unused = {trainable[j] for j in range(min(len(trainable), used.numel())) if not used[j]}
+        if not unused or not self._reclaims:
+            return
+        for signature, result in written:
+            for pi, offset, numel in signature:
+                if pi in unused:
+                    piece = result[offset : offset + numel].float().cpu().clone()
+                    if bool(piece.any()):
+                        self.pending.setdefault(pi, []).append((0, piece))
 
     def state_dict(self) -> dict[str, Any]:
         return {

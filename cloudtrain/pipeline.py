@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .datapath import InFlight
-from .layout import Layout
+from .layout import BucketLayout
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Flight:
     """One bucket of one step in the pipeline: its exchange in flight, or its summed values."""
 
     step: int
-    layout: Layout
+    layout: BucketLayout
     inflight: InFlight | None
     values: torch.Tensor | None = None
     """(n,) the bucket's sum over all ranks once finished, laid out as `layout`."""
@@ -58,13 +58,13 @@ class Pipeline:
     def __bool__(self) -> bool:
         return bool(self.flights)
 
-    def add(self, step: int, layout: Layout, inflight: InFlight) -> None:
+    def add(self, step: int, layout: BucketLayout, inflight: InFlight) -> None:
         self.flights.append(Flight(step, layout, inflight))
 
     def apply_due(
         self,
         upto: int,
-        signature: Layout,
+        signature: BucketLayout,
         buf: torch.Tensor,
         finish: Callable[[InFlight], torch.Tensor],
     ) -> None:

@@ -113,3 +113,8 @@ def describe(rung: Rung) -> str:
         density, bits = level
         return f"top-k {100 * density:g}% + {bits}-bit"
     return name
+
+
+def ceil_div(n: int, d: int) -> int:
+    """n / d rounded up: the elements of one of d shards of n (the last one padded)."""
+    return -(-n // d)
