@@ -9,42 +9,12 @@ import time
 import pytest
 import torch
 from distributed import RankFailed, run_ranks
+from models import Branchy, assert_identical, batch, loss_of, make_model, params_of, train_span
 from replay import Replay, every_rank, flat_gradient
 
 from cloudtrain import CompressionConfig
 
 STEPS = 50
-
-
-def make_model(hidden: int = 48, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(20, hidden),
-        torch.nn.Tanh(),
-        torch.nn.Linear(hidden, hidden),
-        torch.nn.Tanh(),
-        torch.nn.Linear(hidden, 5),
-    ).to(dtype)
-
-
-def batch(rank: int, step: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(8, 20, generator=g).to(dtype)
-    return x, torch.randint(0, 5, (8,), generator=g)
-
-
-def loss_of(model, x, y):
-    return torch.nn.functional.cross_entropy(model(x).float(), y)
-
-
-def params_of(model) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def assert_identical(results: list[list[torch.Tensor]]) -> None:
-    for rank, params in enumerate(results[1:], start=1):
-        for a, b in zip(results[0], params, strict=True):
-            assert torch.equal(a, b), f"rank {rank}'s parameters differ from rank 0's"
 
 
 # -- exactness ------------------------------------------------------------------------------------
@@ -162,21 +132,6 @@ def test_the_zstd_stage_changes_the_bytes_not_the_bits():
 
 
 # -- DDP modes --------------------------------------------------------------------------------------
-
-
-class Branchy(torch.nn.Module):
-    """A model whose second head is unused on odd steps."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = torch.nn.Linear(20, 32)
-        self.head_a = torch.nn.Linear(32, 5)
-        self.head_b = torch.nn.Linear(32, 5)
-
-    def forward(self, x, use_b: bool = True):
-        h = torch.tanh(self.body(x))
-        return self.head_a(h) + (self.head_b(h) if use_b else 0)
 
 
 def _train_mode(rank, world, mode, config):
@@ -425,34 +380,6 @@ def test_verify_every_catches_a_diverged_replica():
 # -- state -----------------------------------------------------------------------------------------------
 
 
-def _train_span(rank, world, config, start, stop, state_dir):
-    import cloudtrain
-
-    cloudtrain.init()
-    model = make_model()
-    cloud = cloudtrain.CloudDDP(model, CompressionConfig.resolve(config, regions="per-rank"))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    path = os.path.join(state_dir, f"rank{rank}.pt") if state_dir else None
-    if start:
-        state = torch.load(path, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        cloud.load_comm_state_dict(state["comm"])
-    for step in range(start, stop):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        loss_of(cloud, x, y).backward()
-        opt.step()
-    if path:
-        torch.save(
-            {"model": model.state_dict(), "opt": opt.state_dict(), "comm": cloud.comm_state_dict()},
-            path,
-        )
-    if cloud.comm.controller is not None:
-        assert cloud.comm.controller.history, "the controller never decided"
-    return params_of(model), cloud.comm.step
-
-
 # "auto" with one rung: the plan cannot depend on timing, and the state is saved with a decision
 # on its way (due at steps 2, 7, 12: the one from step 7 takes effect at 12)
 AUTO_ONE_RUNG = CompressionConfig(staleness=0, controller={"ladder": (("quant", 8),)})
@@ -464,9 +391,10 @@ AUTO_ONE_RUNG = CompressionConfig(staleness=0, controller={"ladder": (("quant", 
     ids=lambda c: c if isinstance(c, str) else "auto-one-rung",
 )
 def test_comm_state_round_trip_continues_bit_identically(config, tmp_path):
-    straight = run_ranks(2, _train_span, config, 0, 20, None)
-    run_ranks(2, _train_span, config, 0, 10, str(tmp_path))
-    resumed = run_ranks(2, _train_span, config, 10, 20, str(tmp_path))
+    config = CompressionConfig.resolve(config, regions="per-rank")
+    straight = run_ranks(2, train_span, config, 0, 20, None)
+    run_ranks(2, train_span, config, 0, 10, str(tmp_path))
+    resumed = run_ranks(2, train_span, config, 10, 20, str(tmp_path))
     for (a, step_a), (b, step_b) in zip(straight, resumed, strict=True):
         assert step_a == step_b == 20
         for pa, pb in zip(a, b, strict=True):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_ranks
-from test_ddp import Branchy, batch, loss_of, make_model
+from models import Branchy, batch, loss_of, make_model
 
 WORLD = 2
 STEPS = 4

@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_ranks
+from models import Branchy, batch, loss_of, make_model
 from replay import Replay, every_rank, flat_gradient
-from test_ddp import Branchy, batch, loss_of, make_model
 
 WORLD = 2
 STEPS = 8

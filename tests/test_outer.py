@@ -11,26 +11,14 @@ import zlib
 import pytest
 import torch
 from distributed import run_ranks
+from models import batch, make_model
 
 from cloudtrain import CompressionConfig
 from cloudtrain.config import PRESETS, OuterConfig
 from cloudtrain.outer import OUTER_LADDER, Link, choose_schedule
 
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(20, 32),
-        torch.nn.Tanh(),
-        torch.nn.Linear(32, 32),
-        torch.nn.Tanh(),
-        torch.nn.Linear(32, 5),
-    )
-
-
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 20, generator=g), torch.randint(0, 5, (8,), generator=g)
+HIDDEN = 32
+"""The width of the outer loop's model (make_model(HIDDEN)): narrower than the per-step tests'."""
 
 
 def crc(t: torch.Tensor) -> int:
@@ -51,7 +39,7 @@ def _replicas(rank, world, outer, steps):
     import cloudtrain
 
     cloudtrain.init()
-    model = make_model()
+    model = make_model(HIDDEN)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = CompressionConfig(regions="a,a,b,b", outer=outer)
     ddp = cloudtrain.CloudDDP(model, config, optimizer=opt)
@@ -119,7 +107,7 @@ def _amp_skips(rank, world, outer, steps, overflow):
 
     cloudtrain.init()
     # a buffer: DDP broadcasts it from rank 0 at every forward, a collective of all ranks
-    model = torch.nn.Sequential(make_model(), torch.nn.BatchNorm1d(5))
+    model = torch.nn.Sequential(make_model(HIDDEN), torch.nn.BatchNorm1d(5))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = CompressionConfig(regions="a,a,b,b", nonfinite="pass", timeout_s=30, outer=outer)
     ddp = cloudtrain.CloudDDP(model, config, optimizer=opt)
@@ -174,7 +162,7 @@ def _resume(rank, world, outer, steps, save_at, folder, regions):
     config = CompressionConfig(regions=regions, outer=outer)
 
     def build():
-        model = make_model()
+        model = make_model(HIDDEN)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         return model, opt, cloudtrain.CloudDDP(model, config, optimizer=opt)
 
@@ -241,10 +229,10 @@ def _versus_ddp(rank, world, steps):
     import cloudtrain
 
     cloudtrain.init()
-    plain_model = make_model()
+    plain_model = make_model(HIDDEN)
     plain = torch.nn.parallel.DistributedDataParallel(plain_model)
     plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.1)
-    model = make_model()
+    model = make_model(HIDDEN)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     outer = OuterConfig(sync_every=1, codec="none", error_feedback=False)
     ddp = cloudtrain.CloudDDP(
@@ -259,7 +247,7 @@ def _versus_ddp(rank, world, steps):
     )
     moved = max(
         (a - b).abs().max().item()
-        for a, b in zip(make_model().parameters(), model.parameters(), strict=True)
+        for a, b in zip(make_model(HIDDEN).parameters(), model.parameters(), strict=True)
     )
     return worst, moved
 
@@ -291,7 +279,7 @@ def _replayed(rank, world, steps):
     import cloudtrain
 
     cloudtrain.init()
-    model = make_model()
+    model = make_model(HIDDEN)
     opt = inner_optimizer(model.parameters())
     ddp = cloudtrain.CloudDDP(
         model, CompressionConfig(regions="a,a,b,b", outer=REPLAYED), optimizer=opt
@@ -312,7 +300,7 @@ def outer_replay(steps: int, regions=((0, 1), (2, 3))) -> tuple[list[torch.Tenso
     outer copy, the local parameters becoming it plus what the region learnt since the send."""
     cfg = REPLAYED
     codec = CompressionConfig().make_codec("topk")
-    models = [make_model() for _ in regions]
+    models = [make_model(HIDDEN) for _ in regions]
     opts = [inner_optimizer(m.parameters()) for m in models]
     params = [list(m.parameters()) for m in models]
 
@@ -388,7 +376,7 @@ def test_streaming_outer_steps_equal_a_replay_of_the_algorithm():
     finally:
         torch.set_num_threads(threads)
     results = run_ranks(4, _replayed, steps, timeout=300)
-    start = torch.cat([p.detach().reshape(-1) for p in make_model().parameters()])
+    start = torch.cat([p.detach().reshape(-1) for p in make_model(HIDDEN).parameters()])
     assert (
         outer - start
     ).abs().max() > 1e-2  # outer steps moved it: the comparison means something
@@ -407,7 +395,7 @@ def _auto(rank, world, steps):
     import cloudtrain
 
     cloudtrain.init()
-    model = make_model()
+    model = make_model(HIDDEN)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     outer = {"sync_every": "auto", "fragments": 2}
     ddp = cloudtrain.CloudDDP(
@@ -492,16 +480,16 @@ def test_missing_optimizer_is_an_error_naming_the_fix():
     import cloudtrain
 
     with pytest.raises(ValueError, match="optimizer=opt"):
-        cloudtrain.CloudDDP(make_model(), "diloco")
+        cloudtrain.CloudDDP(make_model(HIDDEN), "diloco")
 
 
 def _wrong_optimizer(rank, world):
     import cloudtrain
 
     cloudtrain.init()
-    other = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    other = torch.optim.SGD(make_model(HIDDEN).parameters(), lr=0.1)
     try:
-        cloudtrain.CloudDDP(make_model(), "diloco", optimizer=other)
+        cloudtrain.CloudDDP(make_model(HIDDEN), "diloco", optimizer=other)
     except ValueError as e:
         return str(e)
     return None

@@ -4,12 +4,10 @@ in the middle of the pipeline."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from distributed import run_ranks
-from test_ddp import assert_identical, batch, loss_of, make_model, params_of
+from models import assert_identical, batch, loss_of, make_model, params_of, train_span
 
 from cloudtrain import CompressionConfig
 
@@ -77,36 +75,13 @@ def test_lossy_pipeline_keeps_replicas_identical(staleness):
     assert all(steps == 50 for _, steps in results)
 
 
-def _span(rank, world, start, stop, state_dir):
-    import cloudtrain
-
-    cloudtrain.init()
-    model = make_model()
-    config = CompressionConfig.resolve("topk-10pct", regions="a,a,b,b", staleness=2)
-    cloud = cloudtrain.CloudDDP(model, config, bucket_cap_mb=0.001)  # several buckets
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    path = os.path.join(state_dir, f"rank{rank}.pt") if state_dir else None
-    if start:
-        state = torch.load(path, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        cloud.load_comm_state_dict(state["comm"])
-    for step in range(start, stop):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        loss_of(cloud, x, y).backward()
-        opt.step()
-    if path:
-        comm = cloud.comm_state_dict()
-        assert len(comm["pipeline"]) > 0, "the save must hold exchanges in flight"
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "comm": comm}, path)
-    return params_of(model)
-
-
 def test_resume_in_the_middle_of_the_pipeline_is_bit_identical(tmp_path):
-    straight = run_ranks(4, _span, 0, 16, None)
-    run_ranks(4, _span, 0, 9, str(tmp_path))
-    resumed = run_ranks(4, _span, 9, 16, str(tmp_path))
+    config = CompressionConfig.resolve("topk-10pct", regions="a,a,b,b", staleness=2)
+    several = {"bucket_cap_mb": 0.001}  # several buckets
+    straight = run_ranks(4, train_span, config, 0, 16, None, several)
+    run_ranks(4, train_span, config, 0, 9, str(tmp_path), several, True)
+    resumed = run_ranks(4, train_span, config, 9, 16, str(tmp_path), several, True)
+    straight, resumed = [p for p, _ in straight], [p for p, _ in resumed]
     assert_identical(straight)
     for a, b in zip(straight, resumed, strict=True):
         for pa, pb in zip(a, b, strict=True):
