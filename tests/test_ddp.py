@@ -136,6 +136,7 @@ def _dies(rank, world, timeout_s, how="killed"):
 def test_a_dead_peer_is_reported_at_once_and_a_hung_one_at_the_timeout(how):
     timeout_s = 8.0
     results = run_ranks(2, _dies, timeout_s, how, timeout=60, allow_failures=True)
+    assert isinstance(results[1], RankFailed), "rank 1 died: run_ranks reports it as failed"
     text, seconds = results[0]
     assert text is not None, "rank 0 should have raised"
     assert (
@@ -285,32 +286,6 @@ def test_comm_state_round_trip_continues_bit_identically(config, tmp_path):
             assert torch.equal(pa, pb), (
                 "a resumed run must continue exactly as an uninterrupted one"
             )
-
-
-def test_config_values_are_checked():
-    with pytest.raises(ValueError, match="unknown codec 'gzip'"):
-        CompressionConfig(codec="gzip")
-    with pytest.raises(ValueError, match="neither a preset"):
-        CompressionConfig.resolve("fast-please")
-    with pytest.raises(ValueError, match="bits 2, 4 or 8"):
-        CompressionConfig(codec="quant", level=3)
-    with pytest.raises(ValueError, match="timeout_s=0"):
-        CompressionConfig(timeout_s=0)
-    with pytest.raises(ValueError, match="residual_dtype='float16'"):
-        CompressionConfig(residual_dtype="float16")
-    with pytest.raises(ValueError, match="regions='everywhere'"):
-        CompressionConfig(regions="everywhere")
-    with pytest.raises(ValueError, match="non-empty region name"):
-        CompressionConfig(regions="us,,eu")
-    assert CompressionConfig(regions="probe").regions == "probe"  # grouped by measured bandwidth
-    assert CompressionConfig(regions="us,us,eu").regions == ("us", "us", "eu")
-    with pytest.raises(ValueError, match="leave level unset"):
-        CompressionConfig(codec="auto", level=0.1)
-    with pytest.raises(ValueError, match="verify_every=-1"):
-        CompressionConfig(verify_every=-1)
-    assert CompressionConfig.resolve("cocktail").level == (0.1, 0.1, 4)
-    assert CompressionConfig.resolve("topk:0.05").codec == "topk"
-    assert RankFailed  # the helper is importable for the tests above
 
 
 def _auto(rank, world, ladder, regions, zstd=None):
