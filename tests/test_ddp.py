@@ -1,7 +1,7 @@
 """How CloudDDP behaves, on real processes over gloo: bit-identical replicas in every DDP mode,
-clear and quick failures, exact resume, and the controller's plans agreed by every rank. Its
-gradients against plain DDP's: test_ddp_equals_ddp.py; against a reference replay of the data
-path: test_ddp_equals_replay.py."""
+clear and quick failures, exact resume, the controller's plans agreed by every rank, and close()
+(over the emulated WAN, root only). Its gradients against plain DDP's: test_ddp_equals_ddp.py;
+against a reference replay of the data path: test_ddp_equals_replay.py."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import time
 
 import pytest
 import torch
-from distributed import RankFailed, run_ranks
+from distributed import RankFailed, run_over_wan, run_ranks
 from models import Branchy, assert_identical, batch, loss_of, make_model, params_of, train_span
 
 from cloudtrain import CompressionConfig
+from cloudtrain.tools import netem
 
 # -- DDP modes --------------------------------------------------------------------------------------
 
@@ -337,3 +338,45 @@ def test_auto_plans_agree_and_replicas_stay_identical(ladder, regions, zstd):
     assert timed and any(timed), (plans[0], arrivals)
     if zstd:
         assert all(z == [True, True] for _, z in plans[0])
+
+
+# -- close() ---------------------------------------------------------------------------------------
+
+CLOSE_WORKER = """
+import json
+import torch
+import cloudtrain
+from cloudtrain import CompressionConfig
+from cloudtrain.tools import netem
+
+cloudtrain.init(timeout_s=120)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
+cloud = cloudtrain.CloudDDP(model, CompressionConfig(controller={"interval": 2}, timeout_s=120))
+controller, rank = cloud.comm.controller, torch.distributed.get_rank()
+last = None
+for step in range(60):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    cloud(torch.randn(32, 256, generator=g)).square().mean().backward()
+    # stop right after a due step (the same step on every rank): its decision (a gather and a
+    # broadcast across the 100 ms round trip, several of them) is still on its way
+    if step >= 8 and controller._pending is not last:
+        break
+    last = controller._pending
+in_flight = not controller._pending.done()
+cloud.close()
+print(json.dumps({"step": step, "in_flight": in_flight, "settled": controller._pending.done()}))
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not netem.available()[0], reason=f"no WAN emulator: {netem.available()[1]}")
+@pytest.mark.timeout(300)
+def test_close_lets_a_decision_in_flight_cross_before_the_groups_go():
+    """A script that destroys its process groups right after a due step, with the controller's
+    decision still crossing regions: close() waits for it, and every rank exits cleanly (without
+    it, gloo aborted all four ranks in teardown)."""
+    reports = run_over_wan("cl", CLOSE_WORKER, 29533, 200, rtt_ms=100)
+    assert any(r["in_flight"] for r in reports), reports  # the case this is about happened
+    assert len({r["step"] for r in reports}) == 1, reports
+    assert all(r["settled"] for r in reports), reports
