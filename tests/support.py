@@ -28,6 +28,16 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def grad_like(n: int, dtype=torch.float32, seed: int = 0, device="cpu", ties=False) -> torch.Tensor:
+    """(n,) heavy-tailed like real gradients - most entries small, a few large - the same for the
+    same seed; `ties` rounds to a coarse grid (many equal |x|, zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+    if ties:
+        x = torch.round(x * 8) / 8
+    return x.to(dtype).to(device)
+
+
 def fake_aws_env(moto_url: str, *services: str) -> dict[str, str]:
     """Dummy credentials, config files and instance metadata off, and `services` (e.g. "S3",
     "EC2") pointed at moto through boto3's AWS_ENDPOINT_URL_<SERVICE>: no real AWS reachable."""

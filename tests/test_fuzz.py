@@ -25,6 +25,7 @@ import time
 import zlib
 
 import torch
+from support import grad_like
 
 from cloudtrain.compress import (
     HEADER_NBYTES,
@@ -111,8 +112,7 @@ def make_originals():
         for n in (5, 1500):
             for zstd in (None, 3):
                 codec, level = parse_spec(spec)
-                g = torch.Generator().manual_seed(n)
-                x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+                x = grad_like(n, seed=n)
                 if zstd is not None:
                     x[::3] = 0  # something for zstd to find
                 wire = to_wire(codec.encode(x, level, KEY), zstd_level=zstd)
