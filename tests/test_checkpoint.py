@@ -40,16 +40,6 @@ from cloudtrain.checkpoint import (
 )
 
 
-@pytest.fixture
-def aws(monkeypatch, moto_url: str) -> str:
-    """Dummy credentials, no real AWS reachable: config files and instance metadata off."""
-    for name, value in fake_aws_env(moto_url).items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-    return moto_url
-
-
 class Store:
     """Direct access to what a checkpoint left behind, to inspect it and to break it."""
 
