@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,13 @@ def fake_aws_env(moto_url: str, *services: str) -> dict[str, str]:
     env.update({f"AWS_ENDPOINT_URL_{service}": moto_url for service in services})
     return env
 
+
+EMULATOR_MACHINE = (
+    sys.platform.startswith("linux")
+    and os.geteuid() == 0
+    and bool(shutil.which("ip") and shutil.which("tc"))
+)
+"""Root with iproute2: the WAN emulator must come up (a failure is a bug, not a reason to skip)."""
 
 REQUIRE_ENV = "CLOUDTRAIN_REQUIRE"
 """Comma-separated parts of cloudtrain this machine must test (native, netem, horovod): `make

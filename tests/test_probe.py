@@ -10,23 +10,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import uuid
 
 import pytest
+from support import EMULATOR_MACHINE
 
 from cloudtrain.tools import netem
 from cloudtrain.tools.netem import Emulator, teardown
 
-MACHINE = (
-    sys.platform.startswith("linux")
-    and os.geteuid() == 0
-    and bool(shutil.which("ip") and shutil.which("tc"))
-)
 pytestmark = [
-    pytest.mark.skipif(not MACHINE, reason="the WAN emulator needs root and iproute2"),
+    pytest.mark.skipif(not EMULATOR_MACHINE, reason="the WAN emulator needs root and iproute2"),
     pytest.mark.timeout(240),
 ]
 
