@@ -8,8 +8,8 @@ back. An exception in any rank fails the call with that rank's traceback, and so
 dies without a word or does not finish within `timeout` seconds (every process is killed, none
 left). With allow_failures, failed ranks give a RankFailed in their place instead.
 
-And a script on 4 ranks over the emulated WAN (cloudtrain.tools.netem: 2 regions of 2, each
-rank in its region's network namespace; root only):
+And a script on the ranks of the emulated WAN (cloudtrain.tools.netem: each rank in its region's
+network namespace; root only), run_over_wan's being 2 regions of 2:
 
     reports = run_over_wan("zs", SCRIPT, 29532, mbit=20)   # each rank's last stdout line, as JSON
     procs = spawn_in_regions(wan, SCRIPT, port, stdin=subprocess.PIPE)   # on an Emulator of yours
@@ -140,8 +140,9 @@ def run_ranks(
 
 
 def spawn_in_regions(wan: Emulator, script: str, port: int, **popen) -> list[subprocess.Popen]:
-    """The 4 ranks of `script`, each in its region's namespace, stdout piped."""
-    env = {"WORLD_SIZE": "4", "MASTER_PORT": str(port)}
+    """Every rank of the emulator running `script`, each in its region's namespace, stdout
+    piped."""
+    env = {"WORLD_SIZE": str(wan.world_size), "MASTER_PORT": str(port)}
     return [
         wan.popen(
             r,
@@ -151,7 +152,7 @@ def spawn_in_regions(wan: Emulator, script: str, port: int, **popen) -> list[sub
             text=True,
             **popen,
         )
-        for r in range(4)
+        for r in range(wan.world_size)
     ]
 
 
