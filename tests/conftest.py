@@ -1,5 +1,6 @@
 """Fixtures shared by the test files: a real S3/EC2 protocol server (moto's server mode) on
-loopback (support.fake_aws_env points boto3 at it).
+loopback, and `aws`, an environment in which boto3 reaches it and no real AWS
+(support.fake_aws_env).
 
 Also the rule that keeps the suite from going green by skipping: CLOUDTRAIN_REQUIRE (set by
 `make test` to what the machine supports) names the parts that must work here - native (the
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import REQUIRE_ENV, required_parts, run_python
+from support import REQUIRE_ENV, fake_aws_env, required_parts, run_python
 
 _NATIVE_PROBE = """
 import json
@@ -109,3 +110,16 @@ def moto_url() -> Iterator[str]:
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
+
+
+@pytest.fixture
+def aws(monkeypatch, moto_url: str) -> str:
+    """moto's URL, in an environment of dummy credentials with config files and instance
+    metadata off, so that no real AWS is reachable. EC2 is moto's server (boto3 reads
+    AWS_ENDPOINT_URL_EC2: there is no endpoint option in `cloudtrain hosts`); S3 is not set, nor
+    any profile: S3 tests name the endpoint themselves (S3Config, or AWS_ENDPOINT_URL_S3)."""
+    for name, value in fake_aws_env(moto_url, "EC2").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    return moto_url

@@ -7,19 +7,32 @@ MASTER_ADDR and MASTER_PORT set, so `cloudtrain.init()` joins the group; its ret
 back. An exception in any rank fails the call with that rank's traceback, and so does a rank that
 dies without a word or does not finish within `timeout` seconds (every process is killed, none
 left). With allow_failures, failed ranks give a RankFailed in their place instead.
+
+And a script on the ranks of the emulated WAN (cloudtrain.tools.netem: each rank in its region's
+network namespace; root only), run_over_wan's being 2 regions of 2:
+
+    reports = run_over_wan("zs", SCRIPT, 29532, mbit=20)   # each rank's last stdout line, as JSON
+    procs = spawn_in_regions(wan, SCRIPT, port, stdin=subprocess.PIPE)   # on an Emulator of yours
 """
 
 from __future__ import annotations
 
 import io
+import json
 import multiprocessing as mp
 import os
 import queue
 import socket
+import subprocess
+import sys
 import time
 import traceback
+import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cloudtrain.tools.netem import Emulator
 
 
 class RankFailed(AssertionError):
@@ -121,3 +134,41 @@ def run_ranks(
                 p.kill()
                 p.join()
     return [out[r] for r in range(world)]
+
+
+# -- scripts over the emulated WAN -----------------------------------------------------------------
+
+
+def spawn_in_regions(wan: Emulator, script: str, port: int, **popen) -> list[subprocess.Popen]:
+    """Every rank of the emulator running `script`, each in its region's namespace, stdout
+    piped."""
+    env = {"WORLD_SIZE": str(wan.world_size), "MASTER_PORT": str(port)}
+    return [
+        wan.popen(
+            r,
+            [sys.executable, "-c", script],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            text=True,
+            **popen,
+        )
+        for r in range(wan.world_size)
+    ]
+
+
+def run_over_wan(prefix: str, script: str, port: int, mbit: float, rtt_ms: float = 0) -> list:
+    """The 4 ranks of `script` over an emulated WAN (2 regions x 2): every rank must exit with
+    0 (a rank aborted in teardown is a failure too); each rank's last stdout line, as JSON."""
+    from cloudtrain.tools.netem import Emulator, teardown
+
+    name = f"{prefix}{os.getpid() % 10000}-{uuid.uuid4().hex[:4]}"
+    try:
+        with Emulator({"us": 2, "eu": 2}, mbit, rtt_ms=rtt_ms, name=name) as wan:
+            procs = spawn_in_regions(wan, script, port, stderr=subprocess.PIPE)
+            outs = [p.communicate(timeout=240) for p in procs]
+            assert [p.returncode for p in procs] == [0, 0, 0, 0], [
+                o[0][-2000:] + o[1][-2000:] for o in outs
+            ]
+    finally:
+        teardown(name)
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]

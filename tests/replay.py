@@ -12,6 +12,11 @@ bucket * shards + shard, region)), decoded and summed in region order, cast back
 bucket's dtype. It knows nothing of the hook, the communication thread or DDP, so a data path
 that dropped, doubled, misplaced or mis-scaled anything differs from it. Regions of at most 2
 ranks, whose dense sum does not depend on gloo's order.
+
+It shares the codecs and ErrorFeedback with the system on purpose: what it checks is the data
+path around them (scaling, layout, sharding, keys, sums), so a codec bug would be in both and
+pass here. The codecs have their own oracle, built from the reference ops and not from the
+codecs' composition code: `replay` in test_codecs.py.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,16 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def grad_like(n: int, dtype=torch.float32, seed: int = 0, device="cpu", ties=False) -> torch.Tensor:
+    """(n,) heavy-tailed like real gradients - most entries small, a few large - the same for the
+    same seed; `ties` rounds to a coarse grid (many equal |x|, zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+    if ties:
+        x = torch.round(x * 8) / 8
+    return x.to(dtype).to(device)
+
+
 def fake_aws_env(moto_url: str, *services: str) -> dict[str, str]:
     """Dummy credentials, config files and instance metadata off, and `services` (e.g. "S3",
     "EC2") pointed at moto through boto3's AWS_ENDPOINT_URL_<SERVICE>: no real AWS reachable."""
@@ -42,6 +53,13 @@ def fake_aws_env(moto_url: str, *services: str) -> dict[str, str]:
     env.update({f"AWS_ENDPOINT_URL_{service}": moto_url for service in services})
     return env
 
+
+EMULATOR_MACHINE = (
+    sys.platform.startswith("linux")
+    and os.geteuid() == 0
+    and bool(shutil.which("ip") and shutil.which("tc"))
+)
+"""Root with iproute2: the WAN emulator must come up (a failure is a bug, not a reason to skip)."""
 
 REQUIRE_ENV = "CLOUDTRAIN_REQUIRE"
 """Comma-separated parts of cloudtrain this machine must test (native, netem, horovod): `make

@@ -17,7 +17,6 @@ import hashlib
 import io
 import json
 import os
-import socket
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -26,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from distributed import run_ranks
+from distributed import free_port, run_ranks
 from support import assert_same, fake_aws_env
 from torch import nn
 
@@ -38,16 +37,6 @@ from cloudtrain.checkpoint import (
     rank_file,
     step_dir,
 )
-
-
-@pytest.fixture
-def aws(monkeypatch, moto_url: str) -> str:
-    """Dummy credentials, no real AWS reachable: config files and instance metadata off."""
-    for name, value in fake_aws_env(moto_url).items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-    return moto_url
 
 
 class Store:
@@ -424,11 +413,12 @@ def _two_rank_worker(rank: int, port: int, root: str) -> None:
 
 
 def test_ranks_agree_on_the_step_they_load(tmp_path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     mp.start_processes(
-        _two_rank_worker, args=(port, str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+        _two_rank_worker,
+        args=(free_port(), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
     )
     manifest = json.loads((tmp_path / step_dir(2) / "manifest.json").read_text())
     assert manifest["world_size"] == 2

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from support import grad_like
 
 from cloudtrain.compress import (
     Codec,
@@ -50,12 +51,6 @@ SPECS = [
 ]
 SIZES = [0, 1, 7, 513, 4099, 100_003]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def grad_like(n: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    # heavy-tailed, like real gradients: most entries small, a few large
-    return (torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4).to(dtype)
 
 
 SPARSIFIER_NAMES = ("topk", "topk-sampled", "randomk")

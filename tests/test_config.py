@@ -1,4 +1,5 @@
-"""CompressionConfig and ControllerOptions: every option checked when the config is made."""
+"""CompressionConfig, ControllerOptions and OuterConfig: every option checked when the config is
+made, and the presets."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 
 from cloudtrain import PRESETS, CompressionConfig
-from cloudtrain.config import LADDER, ControllerOptions
+from cloudtrain.config import LADDER, ControllerOptions, OuterConfig
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -127,3 +128,78 @@ def test_timeout_differs_per_rank_without_changing_the_fingerprint() -> None:
         CompressionConfig(timeout_s=10).fingerprint()
         == CompressionConfig(timeout_s=20).fingerprint()
     )
+
+
+def test_config_values_are_checked():
+    with pytest.raises(ValueError, match="unknown codec 'gzip'"):
+        CompressionConfig(codec="gzip")
+    with pytest.raises(ValueError, match="neither a preset"):
+        CompressionConfig.resolve("fast-please")
+    with pytest.raises(ValueError, match="bits 2, 4 or 8"):
+        CompressionConfig(codec="quant", level=3)
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        CompressionConfig(timeout_s=0)
+    with pytest.raises(ValueError, match="residual_dtype='float16'"):
+        CompressionConfig(residual_dtype="float16")
+    with pytest.raises(ValueError, match="regions='everywhere'"):
+        CompressionConfig(regions="everywhere")
+    with pytest.raises(ValueError, match="non-empty region name"):
+        CompressionConfig(regions="us,,eu")
+    assert CompressionConfig(regions="probe").regions == "probe"  # grouped by measured bandwidth
+    assert CompressionConfig(regions="us,us,eu").regions == ("us", "us", "eu")
+    with pytest.raises(ValueError, match="leave level unset"):
+        CompressionConfig(codec="auto", level=0.1)
+    with pytest.raises(ValueError, match="verify_every=-1"):
+        CompressionConfig(verify_every=-1)
+    assert CompressionConfig.resolve("cocktail").level == (0.1, 0.1, 4)
+    assert CompressionConfig.resolve("topk:0.05").codec == "topk"
+
+
+# -- the outer loop's options ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"sync_every": 0}, "sync_every"),
+        ({"sync_every": "often"}, "sync_every"),
+        ({"sync_every": 2.5}, "sync_every"),
+        ({"outer_lr": 0}, "outer_lr"),
+        ({"outer_lr": float("nan")}, "outer_lr"),
+        ({"outer_momentum": -0.1}, "outer_momentum"),
+        ({"outer_momentum": 1.0}, "outer_momentum"),
+        ({"nesterov": "yes"}, "nesterov"),
+        ({"fragments": 0}, "fragments"),
+        ({"fragments": 8, "sync_every": 4}, "fragments"),
+        ({"overlap": -1}, "overlap"),
+        ({"overlap": 4, "sync_every": 4}, "overlap"),
+        ({"codec": "zip"}, "codec"),
+        ({"codec": "quant", "level": 3}, "level"),
+        ({"level": 8}, "level"),
+        ({"error_feedback": 1}, "error_feedback"),
+        ({"dtype": "float16"}, "dtype"),
+        ({"H": 10}, "unknown outer options"),
+    ],
+)
+def test_bad_outer_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        CompressionConfig(outer=options)
+
+
+def test_outer_with_a_per_step_codec_verify_or_a_bad_value_is_an_error():
+    with pytest.raises(ValueError, match="verify_every"):
+        CompressionConfig(verify_every=10, outer={})
+    with pytest.raises(ValueError, match="outer.codec"):
+        CompressionConfig(codec="quant", level=8, outer={})
+    with pytest.raises(ValueError, match="OuterConfig"):
+        CompressionConfig(outer=50)
+
+
+def test_presets():
+    sparse = CompressionConfig.resolve("diloco-sparse").outer
+    assert (sparse.codec, sparse.level, sparse.error_feedback) == ("topk>quant", (0.02, 2), True)
+    assert CompressionConfig.resolve("diloco-int8").outer.level == 8
+    four = CompressionConfig.resolve("diloco-4bit").outer
+    assert (four.sync_every, four.codec, four.level, four.outer_momentum) == (50, "quant", 4, 0.5)
+    assert CompressionConfig.resolve("diloco").outer == OuterConfig()
+    assert all(CompressionConfig.resolve(name) for name in PRESETS)

@@ -1,5 +1,6 @@
-"""The controller's choice as a pure function of link estimates, and the probe's fitting and
-clustering on synthetic measurements."""
+"""The controller's choice as a pure function of link estimates, the probe's fitting and
+clustering on synthetic measurements, and (over the emulated WAN, root only) the controller
+turning zstd on for a slow link."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import random
 
 import pytest
+from distributed import run_over_wan
 
 from cloudtrain.compress import ZstdGain
 from cloudtrain.config import LADDER, ControllerOptions
@@ -25,6 +27,7 @@ from cloudtrain.costs import (
 from cloudtrain.estimates import passive_bandwidth
 from cloudtrain.plan import rung_density
 from cloudtrain.probe import LinkMatrix, cluster_regions, fit_link
+from cloudtrain.tools import netem
 
 MBIT = 1e6 / 8  # bytes/s
 SHARDS = [6_000_000, 6_000_000, 1_000_000]  # three buckets of a 13M-parameter model, one shard each
@@ -423,3 +426,42 @@ def test_a_plan_measured_slower_than_another_is_left_for_it():
     assert faster_measured(measured, plain) is None
     assert faster_measured(measured, ((2, 2), 0)) is None  # not measured yet: try it
     assert faster_measured({plain: (0.054,), bf16: (0.055,)}, bf16) is None  # within 5 %
+
+
+# -- on the emulated WAN ------------------------------------------------------------------------
+
+ZSTD_WORKER = """
+import json
+import torch
+import cloudtrain
+from cloudtrain import CompressionConfig
+
+cloudtrain.init(timeout_s=120)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
+# one rung (bf16: the controller cannot answer a slow link by compressing more), decisions
+# every 2 steps
+config = CompressionConfig(
+    controller={"interval": 2, "ladder": (("bf16", None),)}, timeout_s=120, verify_every=5
+)
+cloud = cloudtrain.CloudDDP(model, config)
+rank = torch.distributed.get_rank()
+for step in range(16):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    cloud(torch.randn(32, 256, generator=g)).square().mean().backward()
+cloud.verify_replicas()
+print(json.dumps([h["zstd"] for h in cloud.comm.controller.history]), flush=True)
+cloud.close()  # the controller's decision on its way crosses before the groups go
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not netem.available()[0], reason=f"no WAN emulator: {netem.available()[1]}")
+@pytest.mark.timeout(300)
+def test_the_controller_turns_zstd_on_for_a_slow_link():
+    """bf16 packets of real gradients shrink under zstd by more than its CPU costs on a
+    20 Mbit/s link: the controller's trial finds it and switches the stage on for both
+    regions; replicas stay identical."""
+    plans = run_over_wan("zs", ZSTD_WORKER, 29532, 20)
+    assert all(p == plans[0] for p in plans), "every rank follows rank 0's plan"
+    assert plans[0] and plans[0][-1] == [True, True], plans[0]

@@ -1,5 +1,7 @@
-"""CloudDDP on real processes over gloo: exactness against DDP and against the codec reference,
-bit-identical replicas, every DDP mode, clear and quick failures, and exact resume."""
+"""How CloudDDP behaves, on real processes over gloo: bit-identical replicas in every DDP mode,
+clear and quick failures, exact resume, the controller's plans agreed by every rank, and close()
+(over the emulated WAN, root only). Its gradients against plain DDP's: test_ddp_equals_ddp.py;
+against a reference replay of the data path: test_ddp_equals_replay.py."""
 
 from __future__ import annotations
 
@@ -8,175 +10,13 @@ import time
 
 import pytest
 import torch
-from distributed import RankFailed, run_ranks
-from replay import Replay, every_rank, flat_gradient
+from distributed import RankFailed, run_over_wan, run_ranks
+from models import Branchy, assert_identical, batch, loss_of, make_model, params_of, train_span
 
 from cloudtrain import CompressionConfig
-
-STEPS = 50
-
-
-def make_model(hidden: int = 48, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(20, hidden),
-        torch.nn.Tanh(),
-        torch.nn.Linear(hidden, hidden),
-        torch.nn.Tanh(),
-        torch.nn.Linear(hidden, 5),
-    ).to(dtype)
-
-
-def batch(rank: int, step: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(8, 20, generator=g).to(dtype)
-    return x, torch.randint(0, 5, (8,), generator=g)
-
-
-def loss_of(model, x, y):
-    return torch.nn.functional.cross_entropy(model(x).float(), y)
-
-
-def params_of(model) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def assert_identical(results: list[list[torch.Tensor]]) -> None:
-    for rank, params in enumerate(results[1:], start=1):
-        for a, b in zip(results[0], params, strict=True):
-            assert torch.equal(a, b), f"rank {rank}'s parameters differ from rank 0's"
-
-
-# -- exactness ------------------------------------------------------------------------------------
-
-
-def _versus_ddp(rank, world, config, regions, bucket_cap_mb):
-    import cloudtrain
-
-    cloudtrain.init()
-    plain = torch.nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=bucket_cap_mb)
-    cloud = cloudtrain.CloudDDP(
-        make_model(),
-        CompressionConfig.resolve(config, regions=regions),
-        bucket_cap_mb=bucket_cap_mb,
-    )
-    exact, worst = True, 0.0
-    for step in range(5):
-        x, y = batch(rank, step)
-        for m in (plain, cloud):
-            m.zero_grad()
-            loss_of(m, x, y).backward()
-        for a, b in zip(plain.parameters(), cloud.parameters(), strict=True):
-            exact &= torch.equal(a.grad, b.grad)
-            worst = max(worst, (a.grad - b.grad).abs().max().item())
-    return exact, worst, cloud.stats().buckets
-
-
-@pytest.mark.parametrize(
-    "world,regions",
-    [(2, "env"), (3, "env"), (2, "per-rank")],
-)
-def test_codec_none_gives_exactly_ddps_gradients(world, regions):
-    results = run_ranks(world, _versus_ddp, "none", regions, 0.002)
-    for exact, worst, buckets in results:
-        assert buckets > 1, "the test model must span several buckets"
-        assert exact, f"gradients differ from DDP's by up to {worst}"
-
-
-def test_codec_none_across_two_regions_of_two_matches_ddp_to_rounding():
-    results = run_ranks(4, _versus_ddp, "none", ("a", "a", "b", "b"), 0.002)
-    for _, worst, _ in results:
-        assert worst < 1e-6
-
-
-def _versus_reference(rank, world, config, regions, steps, zstd=None):
-    """Replay CloudDDP's math with the codec library alone (tests/replay.py) and compare every
-    step's gradient, including DDP's bucket rebuild after the first step (residuals return to
-    the gradients)."""
-    import cloudtrain
-
-    cloudtrain.init()
-    cfg = CompressionConfig.resolve(config, regions=regions, zstd=zstd)
-    model = make_model()
-    shadow = make_model()  # same weights, no DDP: this rank's local gradient
-    cloud = cloudtrain.CloudDDP(model, cfg)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    replay = Replay(cfg, cloud.topology.members, world)
-    params, shadow_params = list(model.parameters()), list(shadow.parameters())
-    mismatches = []
-    for step in range(steps):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        loss_of(cloud, x, y).backward()
-        shadow.zero_grad()
-        loss_of(shadow, x, y).backward()
-        layouts = dict(cloud.comm.layouts.layouts)
-        flats = {
-            b: every_rank(flat_gradient(shadow_params, lay), world) for b, lay in layouts.items()
-        }
-        expected = replay.step(step, layouts, flats)
-        for b, lay in layouts.items():
-            got = flat_gradient(params, lay)
-            if not torch.equal(got, expected[b]):
-                mismatches.append((step, (got - expected[b]).abs().max().item()))
-        opt.step()
-        with torch.no_grad():  # keep the shadow on the replicas' weights
-            for s, p in zip(shadow_params, params, strict=True):
-                s.copy_(p)
-    cloud.verify_replicas()
-    return mismatches, params_of(model), len(cloud.comm.layouts.layouts), cloud.stats()
-
-
-@pytest.mark.parametrize(
-    "world,config,regions",
-    [
-        (2, "topk-1pct", "per-rank"),
-        (2, "cocktail", "per-rank"),
-        (4, "quant4", ("us", "us", "eu", "eu")),
-        (4, "topk-1pct", ("us", "eu", "us", "eu")),
-    ],
-)
-def test_lossy_update_equals_the_reference_and_replicas_agree(world, config, regions):
-    results = run_ranks(world, _versus_reference, config, regions, STEPS, timeout=300)
-    for mismatches, _, buckets, _ in results:
-        assert buckets == 1
-        assert mismatches == [], (
-            f"steps where CloudDDP's gradient differs from the reference: {mismatches[:5]}"
-        )
-    assert_identical([r[1] for r in results])
-
-
-def test_the_zstd_stage_changes_the_bytes_not_the_bits():
-    """zstd=True: every packet zstd-compressed where that shrinks it, received into a buffer of
-    its size without zstd and cut by its header - the same gradients as the reference replay
-    (which knows nothing of zstd), in fewer bytes than without the stage."""
-    regions = ("us", "us", "eu", "eu")
-    plain = run_ranks(4, _versus_reference, "quant4", regions, STEPS, False, timeout=300)
-    zstd = run_ranks(4, _versus_reference, "quant4", regions, STEPS, True, timeout=300)
-    for mismatches, *_ in zstd:
-        assert mismatches == [], f"zstd changed the gradients: {mismatches[:5]}"
-    assert_identical([r[1] for r in plain + zstd])
-    sent = [sum(r[3].wan_bytes_sent for r in run) for run in (plain, zstd)]
-    print(f"bytes across regions: {sent[0]} without zstd, {sent[1]} with")
-    assert 0 < sent[1] < 0.95 * sent[0], sent
-
+from cloudtrain.tools import netem
 
 # -- DDP modes --------------------------------------------------------------------------------------
-
-
-class Branchy(torch.nn.Module):
-    """A model whose second head is unused on odd steps."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = torch.nn.Linear(20, 32)
-        self.head_a = torch.nn.Linear(32, 5)
-        self.head_b = torch.nn.Linear(32, 5)
-
-    def forward(self, x, use_b: bool = True):
-        h = torch.tanh(self.body(x))
-        return self.head_a(h) + (self.head_b(h) if use_b else 0)
 
 
 def _train_mode(rank, world, mode, config):
@@ -297,6 +137,7 @@ def _dies(rank, world, timeout_s, how="killed"):
 def test_a_dead_peer_is_reported_at_once_and_a_hung_one_at_the_timeout(how):
     timeout_s = 8.0
     results = run_ranks(2, _dies, timeout_s, how, timeout=60, allow_failures=True)
+    assert isinstance(results[1], RankFailed), "rank 1 died: run_ranks reports it as failed"
     text, seconds = results[0]
     assert text is not None, "rank 0 should have raised"
     assert (
@@ -425,34 +266,6 @@ def test_verify_every_catches_a_diverged_replica():
 # -- state -----------------------------------------------------------------------------------------------
 
 
-def _train_span(rank, world, config, start, stop, state_dir):
-    import cloudtrain
-
-    cloudtrain.init()
-    model = make_model()
-    cloud = cloudtrain.CloudDDP(model, CompressionConfig.resolve(config, regions="per-rank"))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    path = os.path.join(state_dir, f"rank{rank}.pt") if state_dir else None
-    if start:
-        state = torch.load(path, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        cloud.load_comm_state_dict(state["comm"])
-    for step in range(start, stop):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        loss_of(cloud, x, y).backward()
-        opt.step()
-    if path:
-        torch.save(
-            {"model": model.state_dict(), "opt": opt.state_dict(), "comm": cloud.comm_state_dict()},
-            path,
-        )
-    if cloud.comm.controller is not None:
-        assert cloud.comm.controller.history, "the controller never decided"
-    return params_of(model), cloud.comm.step
-
-
 # "auto" with one rung: the plan cannot depend on timing, and the state is saved with a decision
 # on its way (due at steps 2, 7, 12: the one from step 7 takes effect at 12)
 AUTO_ONE_RUNG = CompressionConfig(staleness=0, controller={"ladder": (("quant", 8),)})
@@ -464,41 +277,16 @@ AUTO_ONE_RUNG = CompressionConfig(staleness=0, controller={"ladder": (("quant", 
     ids=lambda c: c if isinstance(c, str) else "auto-one-rung",
 )
 def test_comm_state_round_trip_continues_bit_identically(config, tmp_path):
-    straight = run_ranks(2, _train_span, config, 0, 20, None)
-    run_ranks(2, _train_span, config, 0, 10, str(tmp_path))
-    resumed = run_ranks(2, _train_span, config, 10, 20, str(tmp_path))
+    config = CompressionConfig.resolve(config, regions="per-rank")
+    straight = run_ranks(2, train_span, config, 0, 20, None)
+    run_ranks(2, train_span, config, 0, 10, str(tmp_path))
+    resumed = run_ranks(2, train_span, config, 10, 20, str(tmp_path))
     for (a, step_a), (b, step_b) in zip(straight, resumed, strict=True):
         assert step_a == step_b == 20
         for pa, pb in zip(a, b, strict=True):
             assert torch.equal(pa, pb), (
                 "a resumed run must continue exactly as an uninterrupted one"
             )
-
-
-def test_config_values_are_checked():
-    with pytest.raises(ValueError, match="unknown codec 'gzip'"):
-        CompressionConfig(codec="gzip")
-    with pytest.raises(ValueError, match="neither a preset"):
-        CompressionConfig.resolve("fast-please")
-    with pytest.raises(ValueError, match="bits 2, 4 or 8"):
-        CompressionConfig(codec="quant", level=3)
-    with pytest.raises(ValueError, match="timeout_s=0"):
-        CompressionConfig(timeout_s=0)
-    with pytest.raises(ValueError, match="residual_dtype='float16'"):
-        CompressionConfig(residual_dtype="float16")
-    with pytest.raises(ValueError, match="regions='everywhere'"):
-        CompressionConfig(regions="everywhere")
-    with pytest.raises(ValueError, match="non-empty region name"):
-        CompressionConfig(regions="us,,eu")
-    assert CompressionConfig(regions="probe").regions == "probe"  # grouped by measured bandwidth
-    assert CompressionConfig(regions="us,us,eu").regions == ("us", "us", "eu")
-    with pytest.raises(ValueError, match="leave level unset"):
-        CompressionConfig(codec="auto", level=0.1)
-    with pytest.raises(ValueError, match="verify_every=-1"):
-        CompressionConfig(verify_every=-1)
-    assert CompressionConfig.resolve("cocktail").level == (0.1, 0.1, 4)
-    assert CompressionConfig.resolve("topk:0.05").codec == "topk"
-    assert RankFailed  # the helper is importable for the tests above
 
 
 def _auto(rank, world, ladder, regions, zstd=None):
@@ -550,3 +338,45 @@ def test_auto_plans_agree_and_replicas_stay_identical(ladder, regions, zstd):
     assert timed and any(timed), (plans[0], arrivals)
     if zstd:
         assert all(z == [True, True] for _, z in plans[0])
+
+
+# -- close() ---------------------------------------------------------------------------------------
+
+CLOSE_WORKER = """
+import json
+import torch
+import cloudtrain
+from cloudtrain import CompressionConfig
+from cloudtrain.tools import netem
+
+cloudtrain.init(timeout_s=120)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
+cloud = cloudtrain.CloudDDP(model, CompressionConfig(controller={"interval": 2}, timeout_s=120))
+controller, rank = cloud.comm.controller, torch.distributed.get_rank()
+last = None
+for step in range(60):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    cloud(torch.randn(32, 256, generator=g)).square().mean().backward()
+    # stop right after a due step (the same step on every rank): its decision (a gather and a
+    # broadcast across the 100 ms round trip, several of them) is still on its way
+    if step >= 8 and controller._pending is not last:
+        break
+    last = controller._pending
+in_flight = not controller._pending.done()
+cloud.close()
+print(json.dumps({"step": step, "in_flight": in_flight, "settled": controller._pending.done()}))
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not netem.available()[0], reason=f"no WAN emulator: {netem.available()[1]}")
+@pytest.mark.timeout(300)
+def test_close_lets_a_decision_in_flight_cross_before_the_groups_go():
+    """A script that destroys its process groups right after a due step, with the controller's
+    decision still crossing regions: close() waits for it, and every rank exits cleanly (without
+    it, gloo aborted all four ranks in teardown)."""
+    reports = run_over_wan("cl", CLOSE_WORKER, 29533, 200, rtt_ms=100)
+    assert any(r["in_flight"] for r in reports), reports  # the case this is about happened
+    assert len({r["step"] for r in reports}) == 1, reports
+    assert all(r["settled"] for r in reports), reports

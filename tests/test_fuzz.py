@@ -22,9 +22,10 @@ import struct
 import subprocess
 import sys
 import time
-import zlib
 
 import torch
+from support import grad_like
+from wire import FIELDS, HEADER, forge, with_crc
 
 from cloudtrain.compress import (
     HEADER_NBYTES,
@@ -48,31 +49,9 @@ SPECS = [
     "randomk:0.1>topk:0.1>quant:4",
     "randomk:0.5>randomk:0.5",
 ]
-HEADER = struct.Struct("<4sBBBBIQQQII4dI8III")
-FIELDS = ["magic", "version", "flags", "dtype", "nlevels", "codec_id", "numel", "seed", "step"]
-FIELDS += ["bucket", "rank", "l0", "l1", "l2", "l3", "nparts"]
-FIELDS += [f"size{i}" for i in range(8)] + ["payload_len", "crc"]
 WIDTH = {"B": 8, "I": 32, "Q": 64}
 KINDS = HEADER.format.lstrip("<").replace("4s", "s").replace("4d", "dddd").replace("8I", "I" * 8)
 KEY = RandomKey(seed=7, step=3, bucket=2, rank=1)
-
-
-def with_crc(values: list, body: bytes) -> bytes:
-    values = [*values[:-1], 0]
-    crc = zlib.crc32(body, zlib.crc32(HEADER.pack(*values)[:-4]))
-    return HEADER.pack(*values[:-1], crc) + body
-
-
-def forge(wire: bytes, body: bytes | None = None, **fields) -> bytes:
-    """Header fields (and payload) replaced, CRC fixed: bytes a buggy or hostile sender sends."""
-    values = list(HEADER.unpack(wire[:HEADER_NBYTES]))
-    for name, value in fields.items():
-        values[FIELDS.index(name)] = value
-    if body is None:
-        body = wire[HEADER_NBYTES:]
-    else:
-        values[FIELDS.index("payload_len")] = len(body)
-    return with_crc(values, body)
 
 
 def zstd_bomb(nbytes: int) -> bytes:
@@ -105,8 +84,7 @@ def make_originals():
         for n in (5, 1500):
             for zstd in (None, 3):
                 codec, level = parse_spec(spec)
-                g = torch.Generator().manual_seed(n)
-                x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+                x = grad_like(n, seed=n)
                 if zstd is not None:
                     x[::3] = 0  # something for zstd to find
                 wire = to_wire(codec.encode(x, level, KEY), zstd_level=zstd)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import fake_aws_env, skip_or_fail
+from support import skip_or_fail
 
 from cloudtrain.cli import main
 from cloudtrain.tools.hosts import (
@@ -159,15 +159,6 @@ def test_missing_file(capsys, tmp_path) -> None:
 
 
 # ----------------------------------------------------------------------------------- EC2
-
-
-@pytest.fixture
-def aws(monkeypatch, moto_url: str) -> str:
-    """Dummy credentials; EC2 is moto's server (boto3 reads AWS_ENDPOINT_URL_EC2: there is no
-    endpoint option in cloudtrain), and no real AWS is reachable."""
-    for name, value in fake_aws_env(moto_url, "EC2").items():
-        monkeypatch.setenv(name, value)
-    return moto_url
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import run_python
+from support import grad_like, run_python
 
 from cloudtrain.compress import RandomKey, make_codec, ops
 from cloudtrain.compress import reference as ref
@@ -54,15 +54,6 @@ DEVICES = [
     ),
 ]
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def grad_like(n: int, dtype=torch.float32, seed: int = 0, device="cpu", ties=False):
-    """Heavy-tailed like real gradients; `ties` rounds to a coarse grid (many equal |x|, zeros)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
-    if ties:
-        x = torch.round(x * 8) / 8
-    return x.to(dtype).to(device)
 
 
 def residual_like(n: int, dtype, seed: int = 1, device="cpu"):

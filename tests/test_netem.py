@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from support import EMULATOR_MACHINE
 
 from cloudtrain.tools import netem
 from cloudtrain.tools.netem import (
@@ -35,12 +36,9 @@ from cloudtrain.tools.netem import (
 
 pytestmark = pytest.mark.timeout(120)
 
-MACHINE = (
-    sys.platform.startswith("linux")
-    and os.geteuid() == 0
-    and bool(shutil.which("ip") and shutil.which("tc"))
+needs_root = pytest.mark.skipif(
+    not EMULATOR_MACHINE, reason="the WAN emulator needs root and iproute2"
 )
-needs_root = pytest.mark.skipif(not MACHINE, reason="the WAN emulator needs root and iproute2")
 DELAYED = (netem.DELAY_LINE, netem.DELAY_NETEM)
 PY = sys.executable
 CLI = [PY, "-m", "cloudtrain.cli", "netem"]

@@ -2,7 +2,8 @@
 everywhere, the regions training apart between syncs, equal replicas after finish(), exact resume
 with a fragment in flight, DDP's parameters at H = 1, fragments + overlap + compressed
 pseudo-gradients with error feedback + Nesterov against a plain replay of the algorithm, the
-schedule choice, and every bad option."""
+schedule choice, and the errors for a missing or foreign optimizer (the outer options themselves
+are checked in test_config.py)."""
 
 from __future__ import annotations
 
@@ -11,27 +12,15 @@ import zlib
 import pytest
 import torch
 from distributed import run_ranks
+from models import batch, make_model
 
 from cloudtrain import CompressionConfig
-from cloudtrain.config import PRESETS, OuterConfig
+from cloudtrain.config import OuterConfig
 from cloudtrain.costs import LinkEstimate
 from cloudtrain.outer import OUTER_LADDER, choose_schedule
 
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(20, 32),
-        torch.nn.Tanh(),
-        torch.nn.Linear(32, 32),
-        torch.nn.Tanh(),
-        torch.nn.Linear(32, 5),
-    )
-
-
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 20, generator=g), torch.randint(0, 5, (8,), generator=g)
+HIDDEN = 32
+"""The width of the outer loop's model (make_model(HIDDEN)): narrower than the per-step tests'."""
 
 
 def crc(t: torch.Tensor) -> int:
@@ -52,7 +41,7 @@ def _replicas(rank, world, outer, steps):
     import cloudtrain
 
     cloudtrain.init()
-    model = make_model()
+    model = make_model(HIDDEN)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = CompressionConfig(regions="a,a,b,b", outer=outer)
     ddp = cloudtrain.CloudDDP(model, config, optimizer=opt)
@@ -120,7 +109,7 @@ def _amp_skips(rank, world, outer, steps, overflow):
 
     cloudtrain.init()
     # a buffer: DDP broadcasts it from rank 0 at every forward, a collective of all ranks
-    model = torch.nn.Sequential(make_model(), torch.nn.BatchNorm1d(5))
+    model = torch.nn.Sequential(make_model(HIDDEN), torch.nn.BatchNorm1d(5))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = CompressionConfig(regions="a,a,b,b", nonfinite="pass", timeout_s=30, outer=outer)
     ddp = cloudtrain.CloudDDP(model, config, optimizer=opt)
@@ -175,7 +164,7 @@ def _resume(rank, world, outer, steps, save_at, folder, regions):
     config = CompressionConfig(regions=regions, outer=outer)
 
     def build():
-        model = make_model()
+        model = make_model(HIDDEN)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         return model, opt, cloudtrain.CloudDDP(model, config, optimizer=opt)
 
@@ -242,10 +231,10 @@ def _versus_ddp(rank, world, steps):
     import cloudtrain
 
     cloudtrain.init()
-    plain_model = make_model()
+    plain_model = make_model(HIDDEN)
     plain = torch.nn.parallel.DistributedDataParallel(plain_model)
     plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.1)
-    model = make_model()
+    model = make_model(HIDDEN)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     outer = OuterConfig(sync_every=1, codec="none", error_feedback=False)
     ddp = cloudtrain.CloudDDP(
@@ -260,7 +249,7 @@ def _versus_ddp(rank, world, steps):
     )
     moved = max(
         (a - b).abs().max().item()
-        for a, b in zip(make_model().parameters(), model.parameters(), strict=True)
+        for a, b in zip(make_model(HIDDEN).parameters(), model.parameters(), strict=True)
     )
     return worst, moved
 
@@ -292,7 +281,7 @@ def _replayed(rank, world, steps):
     import cloudtrain
 
     cloudtrain.init()
-    model = make_model()
+    model = make_model(HIDDEN)
     opt = inner_optimizer(model.parameters())
     ddp = cloudtrain.CloudDDP(
         model, CompressionConfig(regions="a,a,b,b", outer=REPLAYED), optimizer=opt
@@ -313,7 +302,7 @@ def outer_replay(steps: int, regions=((0, 1), (2, 3))) -> tuple[list[torch.Tenso
     outer copy, the local parameters becoming it plus what the region learnt since the send."""
     cfg = REPLAYED
     codec = CompressionConfig().make_codec("topk")
-    models = [make_model() for _ in regions]
+    models = [make_model(HIDDEN) for _ in regions]
     opts = [inner_optimizer(m.parameters()) for m in models]
     params = [list(m.parameters()) for m in models]
 
@@ -389,7 +378,7 @@ def test_streaming_outer_steps_equal_a_replay_of_the_algorithm():
     finally:
         torch.set_num_threads(threads)
     results = run_ranks(4, _replayed, steps, timeout=300)
-    start = torch.cat([p.detach().reshape(-1) for p in make_model().parameters()])
+    start = torch.cat([p.detach().reshape(-1) for p in make_model(HIDDEN).parameters()])
     assert (
         outer - start
     ).abs().max() > 1e-2  # outer steps moved it: the comparison means something
@@ -408,7 +397,7 @@ def _auto(rank, world, steps):
     import cloudtrain
 
     cloudtrain.init()
-    model = make_model()
+    model = make_model(HIDDEN)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     outer = {"sync_every": "auto", "fragments": 2}
     ddp = cloudtrain.CloudDDP(
@@ -496,16 +485,16 @@ def test_missing_optimizer_is_an_error_naming_the_fix():
     import cloudtrain
 
     with pytest.raises(ValueError, match="optimizer=opt"):
-        cloudtrain.CloudDDP(make_model(), "diloco")
+        cloudtrain.CloudDDP(make_model(HIDDEN), "diloco")
 
 
 def _wrong_optimizer(rank, world):
     import cloudtrain
 
     cloudtrain.init()
-    other = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    other = torch.optim.SGD(make_model(HIDDEN).parameters(), lr=0.1)
     try:
-        cloudtrain.CloudDDP(make_model(), "diloco", optimizer=other)
+        cloudtrain.CloudDDP(make_model(HIDDEN), "diloco", optimizer=other)
     except ValueError as e:
         return str(e)
     return None
@@ -514,50 +503,3 @@ def _wrong_optimizer(rank, world):
 def test_optimizer_of_another_model_is_an_error():
     (message,) = run_ranks(1, _wrong_optimizer)
     assert message is not None and "does not hold" in message
-
-
-@pytest.mark.parametrize(
-    "options,match",
-    [
-        ({"sync_every": 0}, "sync_every"),
-        ({"sync_every": "often"}, "sync_every"),
-        ({"sync_every": 2.5}, "sync_every"),
-        ({"outer_lr": 0}, "outer_lr"),
-        ({"outer_lr": float("nan")}, "outer_lr"),
-        ({"outer_momentum": -0.1}, "outer_momentum"),
-        ({"outer_momentum": 1.0}, "outer_momentum"),
-        ({"nesterov": "yes"}, "nesterov"),
-        ({"fragments": 0}, "fragments"),
-        ({"fragments": 8, "sync_every": 4}, "fragments"),
-        ({"overlap": -1}, "overlap"),
-        ({"overlap": 4, "sync_every": 4}, "overlap"),
-        ({"codec": "zip"}, "codec"),
-        ({"codec": "quant", "level": 3}, "level"),
-        ({"level": 8}, "level"),
-        ({"error_feedback": 1}, "error_feedback"),
-        ({"dtype": "float16"}, "dtype"),
-        ({"H": 10}, "unknown outer options"),
-    ],
-)
-def test_bad_outer_options(options, match):
-    with pytest.raises(ValueError, match=match):
-        CompressionConfig(outer=options)
-
-
-def test_outer_with_a_per_step_codec_verify_or_a_bad_value_is_an_error():
-    with pytest.raises(ValueError, match="verify_every"):
-        CompressionConfig(verify_every=10, outer={})
-    with pytest.raises(ValueError, match="outer.codec"):
-        CompressionConfig(codec="quant", level=8, outer={})
-    with pytest.raises(ValueError, match="OuterConfig"):
-        CompressionConfig(outer=50)
-
-
-def test_presets():
-    sparse = CompressionConfig.resolve("diloco-sparse").outer
-    assert (sparse.codec, sparse.level, sparse.error_feedback) == ("topk>quant", (0.02, 2), True)
-    assert CompressionConfig.resolve("diloco-int8").outer.level == 8
-    four = CompressionConfig.resolve("diloco-4bit").outer
-    assert (four.sync_every, four.codec, four.level, four.outer_momentum) == (50, "quant", 4, 0.5)
-    assert CompressionConfig.resolve("diloco").outer == OuterConfig()
-    assert all(CompressionConfig.resolve(name) for name in PRESETS)

@@ -7,6 +7,7 @@ import struct
 
 import pytest
 import torch
+from wire import HEADER, forge
 
 from cloudtrain.compress import (
     HEADER_NBYTES,
@@ -163,29 +164,6 @@ def test_not_a_packet():
 
 
 # -- the receiver's plan: from_wire(..., expect=Expected(...)) ----------------------------------
-
-HEADER = struct.Struct("<4sBBBBIQQQII4dI8III")  # the wire format, restated: see packet.py
-
-
-def forge(wire: torch.Tensor | bytes, payload: bytes | None = None, **fields) -> bytes:
-    """A packet with some header fields (and the payload) replaced, and a valid CRC: what a
-    buggy or hostile sender could put on the wire."""
-    import zlib
-
-    data = bytes(wire.numpy().tobytes()) if isinstance(wire, torch.Tensor) else bytes(wire)
-    values = list(HEADER.unpack(data[:HEADER_NBYTES]))
-    names = ["magic", "version", "flags", "dtype", "nlevels", "codec_id", "numel", "seed", "step"]
-    names += ["bucket", "rank", "l0", "l1", "l2", "l3", "nparts"]
-    names += [f"size{i}" for i in range(8)] + ["payload_len", "crc"]
-    for name, value in fields.items():
-        values[names.index(name)] = value
-    body = data[HEADER_NBYTES:] if payload is None else payload
-    if payload is not None:
-        values[names.index("payload_len")] = len(body)
-    values[-1] = 0
-    head = HEADER.pack(*values)
-    crc = zlib.crc32(body, zlib.crc32(head[:-4]))
-    return HEADER.pack(*values[:-1], crc) + body
 
 
 def test_header_layout_is_as_documented():

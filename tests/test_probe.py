@@ -10,23 +10,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import uuid
 
 import pytest
+from distributed import spawn_in_regions
+from support import EMULATOR_MACHINE
 
 from cloudtrain.tools import netem
 from cloudtrain.tools.netem import Emulator, teardown
 
-MACHINE = (
-    sys.platform.startswith("linux")
-    and os.geteuid() == 0
-    and bool(shutil.which("ip") and shutil.which("tc"))
-)
 pytestmark = [
-    pytest.mark.skipif(not MACHINE, reason="the WAN emulator needs root and iproute2"),
+    pytest.mark.skipif(not EMULATOR_MACHINE, reason="the WAN emulator needs root and iproute2"),
     pytest.mark.timeout(240),
 ]
 
@@ -54,17 +50,7 @@ def wan_name():
 
 
 def run_probe(wan: Emulator) -> dict:
-    env = {"WORLD_SIZE": str(wan.world_size), "MASTER_PORT": "29531"}
-    procs = [
-        wan.popen(
-            r,
-            [sys.executable, "-c", PROBE],
-            env={**env, "RANK": str(r)},
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(wan.world_size)
-    ]
+    procs = spawn_in_regions(wan, PROBE, 29531)
     outs = [p.communicate(timeout=150)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     return json.loads(outs[0].strip().splitlines()[-1])

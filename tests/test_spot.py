@@ -14,7 +14,6 @@ import http.server
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import free_port
 from support import assert_same, fake_aws_env, plan_module_outputs
 
 from cloudtrain.checkpoint import Checkpointer
@@ -114,10 +114,7 @@ def other_imds() -> Iterator[FakeIMDS]:
 
 
 def _dead_endpoint() -> str:
-    with socket.socket() as s:  # a port nothing listens on once closed
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"  # a port nothing listens on once closed
 
 
 def _wait_for(cond, timeout_s: float) -> float:
@@ -219,16 +216,10 @@ def test_guard_without_distributed_is_local(imds: FakeIMDS) -> None:
 # ----------------------------------------------------------- preempt, checkpoint, resume
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(
     world: int, args: list[str], env: dict[str, str], per_rank: list[dict[str, str]] | None = None
 ) -> list[subprocess.Popen]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         rank_env = {

@@ -8,10 +8,12 @@ in two (the plain all-reduce), and at "topk:1.0" with each rank its own region -
 data path (reduce in region, error feedback, packets on the wire, decode and sum) with nothing
 dropped, so with 2 ranks (scaling by 1/2 is exact, and a sum of two numbers does not depend on
 the order) it must give DDP's bits too. Lossy codecs are compared against a reference replay in
-test_ddp_parity.py. Also: a second comm hook, sparse gradients and join's
-divide_by_initial_world_size=False are refused clearly; torch.compile of the wrapped model.
+test_ddp_equals_replay.py. Also: a second comm hook, sparse gradients and join's
+divide_by_initial_world_size=False are refused clearly; torch.compile of the wrapped model; and
+codec "none" on 2 and 3 ranks over many small buckets, exactly DDP's (on 4 ranks in two regions
+of two, whose sum is taken in another order: DDP's to rounding).
 
-    .venv/bin/python -m pytest tests/test_ddp_contract.py -x -q
+    .venv/bin/python -m pytest tests/test_ddp_equals_ddp.py -x -q
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_ranks
-from test_ddp import Branchy, batch, loss_of, make_model
+from models import Branchy, batch, loss_of, make_model
 
 WORLD = 2
 STEPS = 4
@@ -482,3 +484,46 @@ def test_torch_compile_of_the_wrapped_model_is_exactly_ddps(contract):
 
 CHECKS = {"second_hook": _second_hook, "sparse": _sparse, "compile": _compiled}
 """Checks that are no scenario compared with DDP, run in the same spawn as the scenarios."""
+
+
+# -- 2, 3 and 4 ranks, several buckets, codec "none" ---------------------------------------------
+
+
+def _versus_ddp(rank, world, config, regions, bucket_cap_mb):
+    import cloudtrain
+    from cloudtrain import CompressionConfig
+
+    cloudtrain.init()
+    plain = torch.nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=bucket_cap_mb)
+    cloud = cloudtrain.CloudDDP(
+        make_model(),
+        CompressionConfig.resolve(config, regions=regions),
+        bucket_cap_mb=bucket_cap_mb,
+    )
+    exact, worst = True, 0.0
+    for step in range(5):
+        x, y = batch(rank, step)
+        for m in (plain, cloud):
+            m.zero_grad()
+            loss_of(m, x, y).backward()
+        for a, b in zip(plain.parameters(), cloud.parameters(), strict=True):
+            exact &= torch.equal(a.grad, b.grad)
+            worst = max(worst, (a.grad - b.grad).abs().max().item())
+    return exact, worst, cloud.stats().buckets
+
+
+@pytest.mark.parametrize(
+    "world,regions",
+    [(2, "env"), (3, "env"), (2, "per-rank")],
+)
+def test_codec_none_gives_exactly_ddps_gradients(world, regions):
+    results = run_ranks(world, _versus_ddp, "none", regions, 0.002)
+    for exact, worst, buckets in results:
+        assert buckets > 1, "the test model must span several buckets"
+        assert exact, f"gradients differ from DDP's by up to {worst}"
+
+
+def test_codec_none_across_two_regions_of_two_matches_ddp_to_rounding():
+    results = run_ranks(4, _versus_ddp, "none", ("a", "a", "b", "b"), 0.002)
+    for _, worst, _ in results:
+        assert worst < 1e-6

@@ -5,13 +5,15 @@ Modes: bf16 and fp16 parameters, AMP (CPU autocast in bfloat16 with a GradScaler
 has no GPU), no_sync accumulation, find_unused_parameters (a head one rank leaves out),
 static_graph, several buckets (DDP's rebuild moves the residuals); on 2 ranks each its own region,
 and on 4 ranks in two regions of two (sharded exchange). The lossless path in the same modes is
-compared with plain DDP in test_ddp_contract.py.
+compared with plain DDP in test_ddp_equals_ddp.py. Also 50 steps of top-k, the cocktail and 4-bit
+quantization on 2 and 4 ranks (regions of two, and interleaved), and the zstd stage, which must
+change the bytes and not the bits.
 
 And error feedback loses nothing: summed over the steps, the gradient applied plus every rank's
 residual is, per parameter, the sum of the gradients - also for a head no rank uses after step 0
 (find_unused_parameters: DDP does not write its slot back, the hook must take it back).
 
-    .venv/bin/python -m pytest tests/test_ddp_parity.py -x -q
+    .venv/bin/python -m pytest tests/test_ddp_equals_replay.py -x -q
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_ranks
+from models import Branchy, assert_identical, batch, loss_of, make_model, params_of
 from replay import Replay, every_rank, flat_gradient
-from test_ddp import Branchy, batch, loss_of, make_model
 
 WORLD = 2
 STEPS = 8
@@ -171,9 +173,85 @@ def test_lossy_gradients_equal_the_reference_replay(request, regions, mode):
             assert untouched == 2 * STEPS, "head_b (weight, bias) is never used"
         else:
             assert untouched == 0
-    for rank, out in enumerate(results[1:], start=1):
-        for a, b in zip(results[0][4], out[4], strict=True):
-            assert torch.equal(a, b), f"rank {rank}'s parameters differ from rank 0's"
+    assert_identical([out[4] for out in results])
+
+
+# -- 50 steps on 2 and 4 ranks, and the zstd stage ------------------------------------------------
+
+REFERENCE_STEPS = 50
+
+
+def _versus_reference(rank, world, config, regions, steps, zstd=None):
+    """Replay CloudDDP's math with the codec library alone (tests/replay.py) and compare every
+    step's gradient, including DDP's bucket rebuild after the first step (residuals return to
+    the gradients)."""
+    import cloudtrain
+    from cloudtrain import CompressionConfig
+
+    cloudtrain.init()
+    cfg = CompressionConfig.resolve(config, regions=regions, zstd=zstd)
+    model = make_model()
+    shadow = make_model()  # same weights, no DDP: this rank's local gradient
+    cloud = cloudtrain.CloudDDP(model, cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    replay = Replay(cfg, cloud.topology.members, world)
+    params, shadow_params = list(model.parameters()), list(shadow.parameters())
+    mismatches = []
+    for step in range(steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss_of(cloud, x, y).backward()
+        shadow.zero_grad()
+        loss_of(shadow, x, y).backward()
+        layouts = dict(cloud.comm.layouts.layouts)
+        flats = {
+            b: every_rank(flat_gradient(shadow_params, lay), world) for b, lay in layouts.items()
+        }
+        expected = replay.step(step, layouts, flats)
+        for b, lay in layouts.items():
+            got = flat_gradient(params, lay)
+            if not torch.equal(got, expected[b]):
+                mismatches.append((step, (got - expected[b]).abs().max().item()))
+        opt.step()
+        with torch.no_grad():  # keep the shadow on the replicas' weights
+            for s, p in zip(shadow_params, params, strict=True):
+                s.copy_(p)
+    cloud.verify_replicas()
+    return mismatches, params_of(model), len(cloud.comm.layouts.layouts), cloud.stats()
+
+
+@pytest.mark.parametrize(
+    "world,config,regions",
+    [
+        (2, "topk-1pct", "per-rank"),
+        (2, "cocktail", "per-rank"),
+        (4, "quant4", ("us", "us", "eu", "eu")),
+        (4, "topk-1pct", ("us", "eu", "us", "eu")),
+    ],
+)
+def test_lossy_update_equals_the_reference_and_replicas_agree(world, config, regions):
+    results = run_ranks(world, _versus_reference, config, regions, REFERENCE_STEPS, timeout=300)
+    for mismatches, _, buckets, _ in results:
+        assert buckets == 1
+        assert mismatches == [], (
+            f"steps where CloudDDP's gradient differs from the reference: {mismatches[:5]}"
+        )
+    assert_identical([r[1] for r in results])
+
+
+def test_the_zstd_stage_changes_the_bytes_not_the_bits():
+    """zstd=True: every packet zstd-compressed where that shrinks it, received into a buffer of
+    its size without zstd and cut by its header - the same gradients as the reference replay
+    (which knows nothing of zstd), in fewer bytes than without the stage."""
+    regions = ("us", "us", "eu", "eu")
+    plain = run_ranks(4, _versus_reference, "quant4", regions, REFERENCE_STEPS, False, timeout=300)
+    zstd = run_ranks(4, _versus_reference, "quant4", regions, REFERENCE_STEPS, True, timeout=300)
+    for mismatches, *_ in zstd:
+        assert mismatches == [], f"zstd changed the gradients: {mismatches[:5]}"
+    assert_identical([r[1] for r in plain + zstd])
+    sent = [sum(r[3].wan_bytes_sent for r in run) for run in (plain, zstd)]
+    print(f"bytes across regions: {sent[0]} without zstd, {sent[1]} with")
+    assert 0 < sent[1] < 0.95 * sent[0], sent
 
 
 # -- error feedback conserves the gradient --------------------------------------------------------
