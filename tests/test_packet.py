@@ -134,7 +134,8 @@ def test_consistent_but_wrong_sizes_are_rejected():
     lying = _rewrite_header(wire, 12, "<Q", 3001)
     with pytest.raises(PacketError, match="part sizes"):
         from_wire(lying, codec)
-    bad_level = _rewrite_header(wire, 48, "<d", 3.0)
+    # a level the codec does not have (3 bits), at the first level's place (byte 44)
+    bad_level = torch.frombuffer(bytearray(forge(wire, l0=3.0)), dtype=torch.uint8)
     with pytest.raises(PacketError, match="does not fit codec"):
         from_wire(bad_level, codec)
 
