@@ -1,6 +1,6 @@
 """How packets and shards move: collectives with a deadline and errors that name who and where.
 
-Every collective CloudDDP issues goes through `finish`, which waits at most the configured timeout
+Every collective CloudDDP issues goes through `run_and_wait`, which waits at most the configured timeout
 and turns any failure - a peer that died (connection reset), one that stalled (timeout), a size
 mismatch - into a CommError naming the stage, the peers and the step, instead of a hang or a
 bare gloo message.
@@ -155,7 +155,7 @@ def issue(
     return pending
 
 
-def finish(
+def run_and_wait(
     stage: str, peers: Sequence[int], timeout: timedelta, start: Callable[[], Any], where: str = ""
 ) -> None:
     """Run `start()` (which issues async collectives and returns one Work or a list) and wait."""
@@ -186,7 +186,7 @@ def reduce_scatter_direct(
                 works.append(dist.irecv(mine[j], src=peer, group=group))
         return works
 
-    finish("intra-region reduce-scatter (point-to-point)", members, timeout, start, where)
+    run_and_wait("intra-region reduce-scatter (point-to-point)", members, timeout, start, where)
     out.copy_(mine[0])
     for piece in mine[1:]:
         out.add_(piece)

@@ -15,7 +15,7 @@ Invariants kept here: every owner of a shard decodes every packet - its own from
 - and sums them in region order, so every rank gets the same bits; packet sizes come from the
 plan, never from local measurements; every packet is checked (`from_wire(..., expect=...)`)
 before anything it declares is believed or summed; every collective has a deadline
-(`collectives.finish`). Padding (a bucket that does not divide into shards) is not gradient:
+(`collectives.run_and_wait`). Padding (a bucket that does not divide into shards) is not gradient:
 the error feedback keeps nothing for it.
 """
 
@@ -33,15 +33,24 @@ from .collectives import (
     all_gather_single,
     exchange_fixed,
     exchange_sized,
-    finish,
     reduce_scatter_direct,
     reduce_scatter_single,
+    run_and_wait,
 )
 from .compress import ErrorFeedback, Expected, RandomKey, cut, from_wire, to_wire, wire_zstd_gain
 from .guard import QualityProbe
-from .plan import ZSTD_LEVEL, Codecs, Plan
+from .plan import ZSTD_LEVEL, Codecs, Plan, ceil_div
 from .stats import TRIAL_BYTES, CommStats, Observer
 from .topology import Topology
+
+
+def pad_to_shards(buf: torch.Tensor, shards: int) -> tuple[torch.Tensor, int, int]:
+    """(padded, n, m): `buf`'s n elements cut into `shards` pieces of m, the last padded with
+    zeros (`buf` itself where they divide)."""
+    n = buf.numel()
+    m = ceil_div(n, shards)
+    padded = buf if n == shards * m else torch.cat([buf, buf.new_zeros(shards * m - n)])
+    return padded, n, m
 
 
 @dataclass
@@ -60,7 +69,7 @@ class Shard:
 
 
 @dataclass
-class InFlight:
+class Exchange:
     """A bucket whose exchange across regions was issued (`CrossRegion.start`) and is not yet
     finished (`CrossRegion.finish`)."""
 
@@ -158,18 +167,19 @@ class CrossRegion:
         if result.data_ptr() != buf.data_ptr():
             buf.copy_(result)
 
-    def start(self, buf: torch.Tensor, plan: Plan, step: int, index: int, where: str) -> InFlight:
+    def start(self, buf: torch.Tensor, plan: Plan, step: int, index: int, where: str) -> Exchange:
         """Steps 2 and 3's first half: reduce in the region, encode, issue the swap."""
         shard = self.reduce_in_region(buf, where)
-        flight = InFlight(step, index, plan, shard, where)
+        flight = Exchange(step, index, plan, shard, where)
         if shard.mine is not None:
             x, m, me = shard.mine, shard.m, self.topo.shard
-            bucket = index * self.topo.shards + me
-            wire = self.encode(x, plan, step, (index, me), bucket, valid=shard.n - me * m)
+            wire = self.encode(
+                x, plan, step, (index, me), self.packet_id(index), valid=shard.n - me * m
+            )
             flight.swap = self.swap(wire, plan, m, x.dtype, where, flight.arrivals)
         return flight
 
-    def finish(self, flight: InFlight) -> torch.Tensor:
+    def finish(self, flight: Exchange) -> torch.Tensor:
         """Steps 3's second half and 4: wait for the packets, check and sum them, gather in the
         region. Returns the bucket's sum over all ranks (n elements, a view of shard.padded)."""
         shard, summed = flight.shard, None
@@ -179,7 +189,7 @@ class CrossRegion:
             if self.observer is not None:
                 for region, (nbytes, seconds) in flight.arrivals.items():
                     self.observer.arrived(region, nbytes, seconds)
-            bucket = flight.index * self.topo.shards + self.topo.shard
+            bucket = self.packet_id(flight.index)
             with self.stats.timed("decode"):
                 x = shard.mine
                 summed = self.accumulate(
@@ -195,7 +205,7 @@ class CrossRegion:
         Returns the sum over regions, float32, on x's device (no reduction or gather in the
         region: for tensors every rank of a region already holds, e.g. pseudo-gradients)."""
         shard, m = self.topo.shard, x.numel()
-        bucket = index * self.topo.shards + shard  # names the packets: (seed, step, bucket, region)
+        bucket = self.packet_id(index)
         wire = self.encode(x, plan, step, (index, shard), bucket, valid=n - shard * m)
         arrivals: dict[int, tuple[int, float]] = {}
         with self.stats.timed("exchange"):
@@ -203,19 +213,23 @@ class CrossRegion:
         with self.stats.timed("decode"):
             return self.accumulate(wires, plan, step, bucket, m, x.dtype, x.device)
 
+    def packet_id(self, index: int) -> int:
+        """The id that names this rank's packets of bucket `index` (with the seed, step and
+        sender region: their RandomKey): one per (bucket, shard)."""
+        return index * self.topo.shards + self.topo.shard
+
     # -- 2. inside the region -----------------------------------------------------------------
     def reduce_in_region(self, buf: torch.Tensor, where: str) -> Shard:
         topo = self.topo
-        n, shards = buf.numel(), topo.shards
-        m = -(-n // shards)
-        padded = buf if n == shards * m else torch.cat([buf, buf.new_zeros(shards * m - n)])
+        padded, n, m = pad_to_shards(buf, topo.shards)
+        shards = topo.shards
         members = topo.members[topo.region]
         group = topo.groups.get(f"region{topo.region}")
         with self.stats.timed("intra_reduce"):
             if len(members) == shards and shards > 1:
                 mine = buf.new_empty(m)
                 if buf.is_cuda:
-                    finish(
+                    run_and_wait(
                         "intra-region reduce-scatter",
                         members,
                         self.timeout,
@@ -227,7 +241,7 @@ class CrossRegion:
                         mine, padded, members, topo.local_index, group, self.timeout, where
                     )
             elif len(members) > 1:  # a region larger than the smallest: reduce all, owners slice
-                finish(
+                run_and_wait(
                     "intra-region all-reduce",
                     members,
                     self.timeout,
@@ -367,7 +381,7 @@ class CrossRegion:
             summed = summed.to(padded.dtype)
         with self.stats.timed("intra_gather"):
             if len(members) == shards and shards > 1:
-                finish(
+                run_and_wait(
                     "intra-region all-gather",
                     members,
                     self.timeout,
@@ -380,7 +394,7 @@ class CrossRegion:
                     padded[local * m : (local + 1) * m] = summed
                 for j in range(shards):
                     piece = padded[j * m : (j + 1) * m]
-                    finish(
+                    run_and_wait(
                         "intra-region broadcast",
                         members,
                         self.timeout,

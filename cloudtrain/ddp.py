@@ -177,7 +177,7 @@ class CloudDDP(DistributedDataParallel):
         """With an outer loop: merge what is in flight and sync every fragment, so that all
         replicas hold the same parameters (all ranks call; e.g. before the final evaluation)."""
         if self.outer is not None:
-            self.outer.finish()
+            self.outer.sync_all()
 
     def close(self) -> None:
         """Let cloudtrain's collectives in flight finish: the pipeline's exchanges, the

@@ -25,7 +25,7 @@ is merged tau inner steps later as `local = outer_copy_new + (local_now - local_
 region's tau newer steps are kept, not thrown away (Streaming DiLoCo's mixing with alpha = 0
 drops them; any alpha > 0 keeps stale parameters as well). With tau = 0 it is DiLoCo exactly.
 The outer copy stays bit-identical everywhere; regions' parameters differ by their last tau steps
-until the next sync (`finish()` syncs everything and makes all replicas equal).
+until the next sync (`sync_all()` syncs everything and makes all replicas equal).
 
 `choose_schedule` is the choice of H and of each region's codec from the measured link and step
 time (a pure function): the exchange must hide in the tau steps it overlaps, or, without
@@ -47,14 +47,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import CommError
+from .collectives import CommError, collective_failure
 from .compress import ErrorFeedback
 from .compress.ladders import OUTER_LADDER
 from .config import AUTO, CompressionConfig, OuterConfig
 from .costs import LinkEstimate
-from .datapath import CrossRegion, Shard
+from .datapath import CrossRegion, Shard, pad_to_shards
 from .estimates import region_links
-from .plan import Codecs, Plan, Rung
+from .plan import Codecs, Plan, Rung, ceil_div
 from .stats import CommStats
 from .topology import Topology
 
@@ -81,6 +81,19 @@ class Schedule:
     """Predicted seconds of one fragment's exchange on the slowest link."""
     fits: bool
     """False: nothing fits the budget; the most compression at the largest H was taken."""
+
+    def describe(self, step_s: float, links: Sequence[LinkEstimate]) -> str:
+        fits = "fits" if self.fits else "does not fit: most compression"
+        seen = [(f"{8 * lk.bandwidth / 1e6:.1f} Mbit/s", f"{1000 * lk.rtt:.0f} ms") for lk in links]
+        return (
+            f"H={self.sync_every}, codecs {list(self.rungs)}, exchange {self.exchange_s:.3f}s per "
+            f"fragment ({fits}), step {step_s:.3f}s, links {seen}"
+        )
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Schedule:
+        rungs = tuple((n, tuple(lv) if isinstance(lv, list) else lv) for n, lv in state["rungs"])
+        return cls(state["sync_every"], rungs, state["exchange_s"], state["fits"])
 
 
 def fragment_exchange_seconds(link: LinkEstimate, nbytes: int, receivers: int) -> float:
@@ -112,8 +125,9 @@ def choose_schedule(
         raise ValueError("choose_schedule: numel, links, shards and fragments must be positive")
     if not (math.isfinite(step_s) and step_s > 0):
         raise ValueError(f"choose_schedule: step_s={step_s!r} must be a positive time")
-    per_fragment = -(-numel // fragments)
-    m = -(-per_fragment // shards)  # elements of one shard of the largest fragment
+    m = ceil_div(
+        ceil_div(numel, fragments), shards
+    )  # elements of one shard of the largest fragment
     receivers = len(links) - 1
     candidates = [sync_every] if sync_every != AUTO else list(SYNC_CHOICES)
     candidates = [h for h in candidates if h > overlap and h >= fragments] or [
@@ -151,7 +165,7 @@ def choose_schedule(
 
 
 @dataclass
-class _Flight:
+class _FragmentSync:
     """A fragment's exchange started at `sent` and merged at `merge`."""
 
     fragment: int
@@ -173,6 +187,75 @@ def _cpu_copy(obj: Any) -> Any:
     return obj
 
 
+class Fragments:
+    """The trainable parameters laid end to end and cut into `count` fragments of about equal
+    size: each fragment's pieces (parameter index, start in it, length), read and written as one
+    float32 vector."""
+
+    def __init__(self, params: Sequence[torch.Tensor], count: int) -> None:
+        self.params, self.count = list(params), count
+        self.numel = sum(p.numel() for p in self.params)
+        bounds = [f * self.numel // count for f in range(count + 1)]
+        self.pieces = [self._pieces(bounds[f], bounds[f + 1]) for f in range(count)]
+
+    def _pieces(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(parameter index, start in it, length) covering elements [lo, hi)."""
+        out, offset = [], 0
+        for i, p in enumerate(self.params):
+            start, end = max(lo, offset), min(hi, offset + p.numel())
+            if start < end:
+                out.append((i, start - offset, end - start))
+            offset += p.numel()
+        return out
+
+    def local(self, f: int) -> torch.Tensor:
+        """Fragment f of the local parameters, float32."""
+        return torch.cat(
+            [self.params[i].detach().reshape(-1)[s : s + n].float() for i, s, n in self.pieces[f]]
+        )
+
+    def write(self, f: int, values: torch.Tensor) -> None:
+        at = 0
+        for i, s, n in self.pieces[f]:
+            self.params[i].detach().view(-1)[s : s + n].copy_(values[at : at + n])
+            at += n
+
+
+def outer_step(
+    outer: OuterConfig, copy: torch.Tensor, momentum: torch.Tensor | None, mean: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The outer SGD step (momentum, Nesterov) of one fragment's outer copy by the regions' mean
+    pseudo-gradient: (new copy, new momentum), both in outer.dtype; the arithmetic in float32."""
+    update = mean
+    if outer.outer_momentum > 0:
+        buf = (
+            mean.clone()
+            if momentum is None
+            else momentum.float().mul_(outer.outer_momentum).add_(mean)
+        )
+        momentum = buf.to(outer.torch_dtype)
+        buf = momentum.float()
+        update = mean.add(buf, alpha=outer.outer_momentum) if outer.nesterov else buf
+    return copy.float().sub_(update, alpha=outer.outer_lr).to(outer.torch_dtype), momentum
+
+
+def check_optimizer(optimizer: Any, params: Sequence[torch.Tensor]) -> None:
+    """The inner optimizer must be a torch optimizer holding every trainable parameter."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"optimizer={optimizer!r}: the outer loop needs the inner torch.optim.Optimizer, "
+            "built on module.parameters() before wrapping"
+        )
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [i for i, p in enumerate(params) if id(p) not in held]
+    if missing:
+        raise ValueError(
+            f"optimizer= does not hold {len(missing)} of the model's parameters (the first "
+            f"is parameter #{missing[0]}): build it on module.parameters() of the model you "
+            "wrap"
+        )
+
+
 class OuterLoop:
     """The outer loop of one CloudDDP (module docstring)."""
 
@@ -192,26 +275,24 @@ class OuterLoop:
             raise ValueError("OuterLoop needs a CompressionConfig with outer=OuterConfig(...)")
         self.config, self.outer, self.topo = config, outer, topo
         self.params = [p for p in params if p.requires_grad]
-        self._check_optimizer(optimizer)
+        check_optimizer(optimizer, self.params)
         self.optimizer = optimizer
-        self.numel = sum(p.numel() for p in self.params)
-        self.fragments = outer.fragments
+        self.parts = Fragments(self.params, outer.fragments)
+        self.numel, self.fragments = self.parts.numel, outer.fragments
         if self.numel < self.fragments * topo.shards:
             raise ValueError(
                 f"outer.fragments={self.fragments}: the model's {self.numel} parameters cannot be "
                 f"cut into {self.fragments} fragments of {topo.shards} shard(s) each; use fewer"
             )
-        bounds = [f * self.numel // self.fragments for f in range(self.fragments + 1)]
-        self.pieces = [self._pieces(bounds[f], bounds[f + 1]) for f in range(self.fragments)]
         dtype = outer.torch_dtype
         with torch.no_grad():
-            self.global_ = [self._local(f).to(dtype) for f in range(self.fragments)]
+            self.global_ = [self.parts.local(f).to(dtype) for f in range(self.fragments)]
         self.momentum: list[torch.Tensor | None] = [None] * self.fragments
         self.ef = ErrorFeedback(dtype) if outer.error_feedback else None
         self.stats = stats
         self._steps = steps
         self.step = 0
-        self.flights: dict[int, _Flight] = {}
+        self.flights: dict[int, _FragmentSync] = {}
         self._times: list[float] = []
         self._last = time.perf_counter()
         self.schedule: Schedule | None = None
@@ -231,46 +312,6 @@ class OuterLoop:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cloudtrain-outer")
         self._handle = optimizer.register_step_post_hook(self._after_step)
 
-    def _check_optimizer(self, optimizer: Any) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(
-                f"optimizer={optimizer!r}: the outer loop needs the inner torch.optim.Optimizer, "
-                "built on module.parameters() before wrapping"
-            )
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        missing = [i for i, p in enumerate(self.params) if id(p) not in held]
-        if missing:
-            raise ValueError(
-                f"optimizer= does not hold {len(missing)} of the model's parameters (the first "
-                f"is parameter #{missing[0]}): build it on module.parameters() of the model you "
-                "wrap"
-            )
-
-    # -- fragments ---------------------------------------------------------------------------
-    def _pieces(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """(parameter index, start in it, length) covering elements [lo, hi) of all
-        parameters laid end to end."""
-        out, offset = [], 0
-        for i, p in enumerate(self.params):
-            start, end = max(lo, offset), min(hi, offset + p.numel())
-            if start < end:
-                out.append((i, start - offset, end - start))
-            offset += p.numel()
-        return out
-
-    def _local(self, f: int) -> torch.Tensor:
-        """Fragment f of the local parameters, float32."""
-        return torch.cat(
-            [self.params[i].detach().reshape(-1)[s : s + n].float() for i, s, n in self.pieces[f]]
-        )
-
-    def _write(self, f: int, values: torch.Tensor) -> None:
-        at = 0
-        for i, s, n in self.pieces[f]:
-            p = self.params[i]
-            p.detach().view(-1)[s : s + n].copy_(values[at : at + n])
-            at += n
-
     def offset(self, f: int) -> int:
         assert self.schedule is not None
         return f * self.schedule.sync_every // self.fragments
@@ -289,7 +330,7 @@ class OuterLoop:
         AMP's GradScaler skips the step of only the region whose gradients overflowed, so
         counting steps would put the regions' syncs apart. After every optimizer step; and,
         for a region whose step was skipped, at the start of its next training forward, in
-        finish() and in state_dict(): before any other collective the ranks then issue (DDP's
+        sync_all() and in state_dict(): before any other collective the ranks then issue (DDP's
         buffer broadcast, a checkpoint's gather), so a region waiting in a sync is never
         waited for. (A collective of the user's own between optimizer.step() and the next
         forward, on a step AMP skipped in one region and with overlap 0, would still wait.)"""
@@ -320,47 +361,27 @@ class OuterLoop:
             links = self.links or [LinkEstimate(1e12, 0.0)] * len(self.topo.regions)
             ladder = OUTER_LADDER if outer.codec == AUTO else ((outer.codec, outer.level),)
             choice[0] = choose_schedule(
-                self.numel,
-                links,
-                self.topo.shards,
-                step_s,
-                self.fragments,
-                outer.overlap,
-                lambda rung, m: self.codecs.wire_nbytes(rung, m),
-                outer.sync_every,
-                ladder,
-            )
-            s = choice[0]
-            log.info(
-                "cloudtrain outer loop: H=%d, codecs %s, exchange %.3fs per fragment (%s), step "
-                "%.3fs, links %s",
-                s.sync_every,
-                list(s.rungs),
-                s.exchange_s,
-                "fits" if s.fits else "does not fit: most compression",
-                step_s,
-                [
-                    (f"{8 * lk.bandwidth / 1e6:.1f} Mbit/s", f"{1000 * lk.rtt:.0f} ms")
-                    for lk in links
-                ],
-            )
+                self.numel, links, self.topo.shards, step_s, self.fragments, outer.overlap,
+                self.codecs.wire_nbytes, outer.sync_every, ladder,
+            )  # fmt: skip
+            log.info("cloudtrain outer loop: %s", choice[0].describe(step_s, links))
         dist.broadcast_object_list(choice, src=0, group=self.topo.group("control"))
         self.schedule = choice[0]
 
     def _sync(self, f: int) -> None:
-        local = self._local(f)
+        local = self.parts.local(f)
         delta = self.global_[f].float() - local
         step = self.step
         if self.outer.overlap == 0:
             self._apply(f, self._exchange(f, delta, step), local, local)
             return
         future = self._pool.submit(self._exchange, f, delta, step)
-        self.flights[f] = _Flight(f, step, step + self.outer.overlap, local, future)
+        self.flights[f] = _FragmentSync(f, step, step + self.outer.overlap, local, future)
 
-    def _merge(self, flight: _Flight) -> None:
+    def _merge(self, flight: _FragmentSync) -> None:
         del self.flights[flight.fragment]
         mean = flight.future.result()  # its error, if any, is raised here, on the training thread
-        self._apply(flight.fragment, mean, flight.local_at_send, self._local(flight.fragment))
+        self._apply(flight.fragment, mean, flight.local_at_send, self.parts.local(flight.fragment))
 
     def _exchange(self, f: int, delta: torch.Tensor, step: int) -> torch.Tensor:
         """The mean over regions of the regions' pseudo-gradients of fragment f."""
@@ -372,9 +393,7 @@ class OuterLoop:
         where = f" at outer step {step}, fragment {f}"
         device = delta.device
         delta = delta.cpu()  # the groups are gloo's (Topology.private)
-        n, shards = delta.numel(), topo.shards
-        m = -(-n // shards)
-        padded = delta if n == shards * m else torch.cat([delta, delta.new_zeros(shards * m - n)])
+        padded, n, m = pad_to_shards(delta, topo.shards)
         mine = None
         if topo.shard is not None:
             mine = padded[topo.shard * m : (topo.shard + 1) * m].contiguous()
@@ -391,26 +410,19 @@ class OuterLoop:
     def _apply(
         self, f: int, mean: torch.Tensor, local_at_send: torch.Tensor, local_now: torch.Tensor
     ) -> None:
-        """The outer SGD step on fragment f's outer copy; the local parameters become it (plus
-        what the region learnt since the exchange started)."""
-        outer = self.outer
-        update = mean
-        if outer.outer_momentum > 0:
-            buf = self.momentum[f]
-            buf = mean.clone() if buf is None else buf.float().mul_(outer.outer_momentum).add_(mean)
-            self.momentum[f] = buf.to(outer.torch_dtype)
-            buf = self.momentum[f].float()
-            update = mean.add(buf, alpha=outer.outer_momentum) if outer.nesterov else buf
-        new = self.global_[f].float().sub_(update, alpha=outer.outer_lr)
-        self.global_[f] = new.to(outer.torch_dtype)
+        """The outer step on fragment f's outer copy; the local parameters become it (plus what
+        the region learnt since the exchange started)."""
+        self.global_[f], self.momentum[f] = outer_step(
+            self.outer, self.global_[f], self.momentum[f], mean
+        )
         new = self.global_[f].float()
         if local_now is not local_at_send:
             new = new + (local_now - local_at_send)
-        self._write(f, new)
+        self.parts.write(f, new)
 
     # -- end and state -----------------------------------------------------------------------
     @torch.no_grad()
-    def finish(self) -> None:
+    def sync_all(self) -> None:
         """Merge what is in flight, then sync every fragment once (all ranks call): every
         replica then holds the same parameters (e.g. before the final evaluation or export)."""
         self.catch_up()  # a region whose last step AMP skipped
@@ -419,7 +431,7 @@ class OuterLoop:
         if self.schedule is None:
             self._decide()
         for f in range(self.fragments):
-            local = self._local(f)
+            local = self.parts.local(f)
             self._apply(
                 f, self._exchange(f, self.global_[f].float() - local, self.step), local, local
             )
@@ -448,9 +460,7 @@ class OuterLoop:
             "schedule": None if self.schedule is None else dataclasses.asdict(self.schedule),
             "global": [g.detach().cpu().clone() for g in self.global_],
             "momentum": [None if b is None else b.detach().cpu().clone() for b in self.momentum],
-            "residuals": {}
-            if self.ef is None
-            else {k: v.detach().cpu().clone() for k, v in self.ef.residuals.items()},
+            "residuals": None if self.ef is None else self.ef.state_dict(),
             "flights": [
                 {
                     "fragment": fl.fragment,
@@ -478,27 +488,19 @@ class OuterLoop:
         device = self.global_[0].device
         self.step = int(state["step"])
         sched = state["schedule"]
-        if sched is not None:
-            sched = Schedule(
-                sched["sync_every"],
-                tuple(
-                    (name, tuple(lv) if isinstance(lv, list) else lv) for name, lv in sched["rungs"]
-                ),
-                sched["exchange_s"],
-                sched["fits"],
-            )
-        self.schedule = sched
+        self.schedule = None if sched is None else Schedule.from_state(sched)
         self.global_ = [g.to(device) for g in state["global"]]
         self.momentum = [None if b is None else b.to(device) for b in state["momentum"]]
         if self.ef is not None:
-            self.ef.reset()
-            for key, residual in state["residuals"].items():
-                self.ef.put(tuple(key), residual.to(device))
+            residuals = state["residuals"] or {}
+            if "dtype" not in residuals:  # saved before residuals had ErrorFeedback's own form
+                residuals = {"dtype": self.outer.dtype, "residuals": residuals}
+            self.ef.load_state_dict(residuals)
         self.flights = {}
         for fl in state["flights"]:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(fl["mean"].to(device))
-            self.flights[fl["fragment"]] = _Flight(
+            self.flights[fl["fragment"]] = _FragmentSync(
                 fl["fragment"], fl["sent"], fl["merge"], fl["local_at_send"].to(device), done
             )
         if "region" in state and not self.topo.single_region:  # (absent in older states)
@@ -513,13 +515,16 @@ class OuterLoop:
         got = [region]
         if len(members) > 1:
             group = self.own.groups[f"region{self.topo.region}"]
+            t0 = time.perf_counter()
             try:
                 dist.broadcast_object_list(got, src=members[0], group=group)
             except Exception as e:
-                raise CommError(
-                    f"cloudtrain: the region's outer-loop state from rank {members[0]} to ranks "
-                    f"{list(members)} failed on rank {self.topo.rank}: {e}"
-                ) from e
+                text = collective_failure(
+                    f"the region's outer-loop state from rank {members[0]}", members,
+                    self.topo.rank, "", time.perf_counter() - t0, e,
+                    timeout_s=self.config.timeout_s,
+                )  # fmt: skip
+                raise CommError(text) from e
         if got[0] is None:
             # this rank was not a region's first when the state was saved (another cluster
             # layout): the region keeps the checkpoint's model and optimizer, as loaded

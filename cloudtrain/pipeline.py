@@ -12,7 +12,7 @@ steps ago (momentum SGD tolerates small s well; with Adam, measure). Pin stalene
 config for exact synchronous SGD.
 
 Every bucket of a step is started at once (`CrossRegion.start`) and kept here with the layout it
-was reduced in, as a `Flight`. When a DDP bucket of step t is reduced, every flight due by then
+was reduced in, as a `Delayed`. When a DDP bucket of step t is reduced, every flight due by then
 (step <= t - s) that holds any of its parameters is finished (`CrossRegion.finish`: wait for the
 packets, sum, gather in the region) and its values are written at those parameters' places in
 DDP's bucket. Matching by parameter, not by bucket index, keeps flights right when DDP rebuilds
@@ -30,17 +30,17 @@ from typing import Any
 
 import torch
 
-from .datapath import InFlight
+from .datapath import Exchange
 from .layout import BucketLayout
 
 
 @dataclass
-class Flight:
+class Delayed:
     """One bucket of one step in the pipeline: its exchange in flight, or its summed values."""
 
     step: int
     layout: BucketLayout
-    inflight: InFlight | None
+    exchange: Exchange | None
     values: torch.Tensor | None = None
     """(n,) the bucket's sum over all ranks once finished, laid out as `layout`."""
     applied: frozenset[int] = frozenset()
@@ -53,20 +53,20 @@ class Pipeline:
     __slots__ = ("flights",)
 
     def __init__(self) -> None:
-        self.flights: list[Flight] = []
+        self.flights: list[Delayed] = []
 
     def __bool__(self) -> bool:
         return bool(self.flights)
 
-    def add(self, step: int, layout: BucketLayout, inflight: InFlight) -> None:
-        self.flights.append(Flight(step, layout, inflight))
+    def add(self, step: int, layout: BucketLayout, exchange: Exchange) -> None:
+        self.flights.append(Delayed(step, layout, exchange))
 
     def apply_due(
         self,
         upto: int,
         signature: BucketLayout,
         buf: torch.Tensor,
-        finish: Callable[[InFlight], torch.Tensor],
+        finish: Callable[[Exchange], torch.Tensor],
     ) -> None:
         """Write into `buf` (DDP's bucket with `signature`, zeroed) the values of every flight
         of step <= upto at its parameters' places, finishing flights as they are needed."""
@@ -78,8 +78,8 @@ class Pipeline:
             if not mine:
                 continue
             if flight.values is None:
-                flight.values = finish(flight.inflight).clone()
-                flight.inflight = None
+                flight.values = finish(flight.exchange).clone()
+                flight.exchange = None
             for pi, offset, numel in mine:
                 at, _ = where[pi]
                 target = buf[at : at + numel]
@@ -89,13 +89,13 @@ class Pipeline:
             f for f in self.flights if len(f.applied) < len({pi for pi, _, _ in f.layout})
         ]
 
-    def finish_all(self, finish: Callable[[InFlight], torch.Tensor]) -> None:
+    def finish_all(self, finish: Callable[[Exchange], torch.Tensor]) -> None:
         """Finish every flight in the order they were started (all ranks together): before a
         checkpoint, so that what is in flight is saved as values."""
         for flight in self.flights:
             if flight.values is None:
-                flight.values = finish(flight.inflight).clone()
-                flight.inflight = None
+                flight.values = finish(flight.exchange).clone()
+                flight.exchange = None
 
     def state_dict(self) -> list[dict[str, Any]]:
         if any(f.values is None for f in self.flights):
@@ -112,7 +112,7 @@ class Pipeline:
 
     def load_state_dict(self, state: list[dict[str, Any]], device: torch.device | str) -> None:
         self.flights = [
-            Flight(
+            Delayed(
                 int(f["step"]),
                 tuple(tuple(int(v) for v in t) for t in f["layout"]),
                 None,

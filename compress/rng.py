@@ -38,7 +38,10 @@ class RandomKey:
     seed: int = 0
     step: int = 0
     bucket: int = 0
+    """The packet stream: CloudDDP's data path passes one id per (DDP bucket, shard)
+    (cloudtrain.datapath.CrossRegion.packet_id), not DDP's bucket index."""
     rank: int = 0
+    """The sender (CloudDDP passes the sending region)."""
 
     def __post_init__(self) -> None:
         for name in ("seed", "step", "bucket", "rank"):

@@ -1,5 +1,5 @@
 """The outer loop (cloudtrain.outer) on real processes over gloo: the outer copy bit-identical
-everywhere, the regions training apart between syncs, equal replicas after finish(), exact resume
+everywhere, the regions training apart between syncs, equal replicas after sync_all(), exact resume
 with a fragment in flight, DDP's parameters at H = 1, fragments + overlap + compressed
 pseudo-gradients with error feedback + Nesterov against a plain replay of the algorithm, the
 schedule choice, and the errors for a missing or foreign optimizer (the outer options themselves
@@ -52,7 +52,7 @@ def _replicas(rank, world, outer, steps):
         trace.append(
             (
                 tuple(crc(g) for g in loop.global_),
-                tuple(crc(loop._local(f)) for f in range(loop.fragments)),
+                tuple(crc(loop.parts.local(f)) for f in range(loop.fragments)),
             )
         )
     ddp.finish_outer()
@@ -99,7 +99,7 @@ def test_outer_copy_bit_identical_and_replicas_equal_after_finish(outer):
                 assert len(locals_f) == 2, f"regions should train apart at step {t}, fragment {f}"
     assert traces[0][0][0] != traces[0][-1][0], "no outer step happened"
     finals = [r[1] for r in results]
-    assert all(f == finals[0] for f in finals), "replicas differ after finish()"
+    assert all(f == finals[0] for f in finals), "replicas differ after sync_all()"
     sent = [r[2] for r in results]
     assert all(s > 0 for s in sent), f"no pseudo-gradient crossed regions: {sent}"
 
@@ -150,7 +150,7 @@ def test_amp_skipped_steps_keep_the_regions_schedules_together(overlap):
     assert [r[2] for r in results] == [0, 0, 1, 1], "region b should have skipped one step"
     assert all(r[3] == steps for r in results), [r[3] for r in results]
     assert all(r[1] == results[0][1] for r in results), "outer copies differ across ranks"
-    assert all(r[0] == results[0][0] for r in results), "replicas differ after finish()"
+    assert all(r[0] == results[0][0] for r in results), "replicas differ after sync_all()"
 
 
 # -- resume --------------------------------------------------------------------------------------

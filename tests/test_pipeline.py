@@ -2,7 +2,7 @@
 same on every rank.
 
 First cloudtrain.pipeline.Pipeline in process (no process started): flights whose exchanges have
-landed - a real InFlight holding the bucket's sum where CrossRegion.finish leaves it - applied
+landed - a real Exchange holding the bucket's sum where CrossRegion.finish leaves it - applied
 by parameter across DDP's rebuild, every gradient exactly once when s changes, each exchange
 finished once and only when due, and finish_all/state_dict/load_state_dict continuing exactly.
 Then CloudDDP on real processes: against a single-process replay, bit-identical replicas, and a
@@ -21,7 +21,7 @@ from distributed import run_ranks
 from models import assert_identical, batch, loss_of, make_model, params_of, train_span
 
 from cloudtrain import CompressionConfig
-from cloudtrain.datapath import InFlight, Shard
+from cloudtrain.datapath import Exchange, Shard
 from cloudtrain.layout import layout_numel
 from cloudtrain.pipeline import Pipeline
 from cloudtrain.plan import NONE, Plan
@@ -37,7 +37,7 @@ REBUILT = {0: ((0, 0, 3), (1, 3, 4)), 1: ((2, 0, 4),)}
 
 
 class Exchanges:
-    """The exchanges of a run whose packets have all landed: `start` gives the InFlight of a
+    """The exchanges of a run whose packets have all landed: `start` gives the Exchange of a
     bucket's exchange, holding the bucket's sum where CrossRegion.finish leaves it (the region's
     gathered, padded buffer; this rank owns no shard); `finish` returns it, as CrossRegion.finish
     does once the packets are in, and counts what it finished."""
@@ -45,12 +45,12 @@ class Exchanges:
     def __init__(self) -> None:
         self.finished: list[tuple[int, int]] = []
 
-    def start(self, step: int, index: int, summed: torch.Tensor) -> InFlight:
+    def start(self, step: int, index: int, summed: torch.Tensor) -> Exchange:
         n = summed.numel()
         shard = Shard(padded=summed.clone(), n=n, m=n, mine=None)
-        return InFlight(step, index, Plan.same(NONE, 2), shard, f" at step {step}, bucket {index}")
+        return Exchange(step, index, Plan.same(NONE, 2), shard, f" at step {step}, bucket {index}")
 
-    def finish(self, flight: InFlight) -> torch.Tensor:
+    def finish(self, flight: Exchange) -> torch.Tensor:
         self.finished.append((flight.step, flight.index))
         return flight.shard.padded[: flight.shard.n]
 
@@ -145,7 +145,7 @@ def test_finish_all_state_dict_and_load_state_dict_continue_exactly():
     torch.save(pipeline.state_dict(), saved)  # as in a checkpoint
     restored = Pipeline()
     restored.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False), "cpu")
-    assert [(f.step, f.layout, f.applied, f.inflight) for f in restored.flights] == [
+    assert [(f.step, f.layout, f.applied, f.exchange) for f in restored.flights] == [
         (0, INITIAL, {2}, None),
         (1, INITIAL, frozenset(), None),
     ]
