@@ -1,6 +1,6 @@
-"""The import rules of the compress layer, read from its source (docs/design.md: arrows point
-down only): compress/ imports nothing of cloudtrain but the native library `cloudtrain._C`, and
-no import cycle runs inside it.
+"""The import rules of the layers, read from their source (docs/design.md: arrows point down
+only): compress/ imports nothing of cloudtrain but the native library `cloudtrain._C`, the core
+imports none of the tools, and no import cycle runs inside either.
 
 Every import statement counts, wherever it stands: at the top, inside a function (lazy) or under
 `if TYPE_CHECKING:`, and `importlib.import_module("...")` with a literal name. `from .x import y`
@@ -14,20 +14,22 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import cloudtrain
 import cloudtrain.compress
 
 PACKAGE = "cloudtrain.compress"
 ROOT = Path(cloudtrain.compress.__file__).parent
+CORE = Path(cloudtrain.__file__).parent  # cloudtrain/ (compress/ is a folder of its own)
 
 
-def modules() -> dict[str, Path]:
+def modules(package: str = PACKAGE, root: Path = ROOT) -> dict[str, Path]:
     """Every module of the layer by its dotted name (a package by its own name)."""
     found = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        found[".".join((PACKAGE, *parts))] = path
+        found[".".join((package, *parts))] = path
     return found
 
 
@@ -53,8 +55,8 @@ def imports(name: str, source: str, is_package: bool, known: set[str]) -> set[st
     return out
 
 
-def graph() -> dict[str, set[str]]:
-    found = modules()
+def graph(package: str = PACKAGE, root: Path = ROOT) -> dict[str, set[str]]:
+    found = modules(package, root)
     known = set(found)
     return {
         name: imports(name, path.read_text(), path.name == "__init__.py", known)
@@ -120,3 +122,17 @@ def test_compress_import_graph_has_no_cycle():
         "the wire format must not know the codec library (it reads codecs as packet.WireCodec)"
     )
     assert cycle(edges) is None, f"import cycle in compress/: {' -> '.join(cycle(edges) or [])}"
+
+
+def test_the_core_imports_no_tool_and_has_no_import_cycle():
+    edges = graph("cloudtrain", CORE)
+    assert "cloudtrain.controller" in edges["cloudtrain.hook"], "the walk must see the lazy import"
+    core = {name for name in edges if not name.startswith("cloudtrain.tools")}
+    upward = {
+        (name, target)
+        for name in core
+        for target in edges[name]
+        if target.startswith("cloudtrain.tools")
+    }
+    assert not upward, f"the core imports the tools: {sorted(upward)}"
+    assert cycle(edges) is None, f"import cycle in cloudtrain/: {' -> '.join(cycle(edges) or [])}"
