@@ -75,6 +75,8 @@ class Controller:
         self.history: list[dict[str, Any]] = []
         self._writer = None
         self.reprobe = False  # the leaders measure the links at the next decision
+        self.probe_sent = 0  # bytes this rank sent re-probing (written by the gathering)
+        self._probe_counted = 0  # of those, handed over but not yet taken into CommStats
         self.planner = Planner(config, codecs, topo, self._calibrate(shard_numels, device))
         # decisions are gathered and made on a thread of their own (decide)
         self.own = topo.private(("control", "leaders"), config.timeout)
@@ -118,6 +120,8 @@ class Controller:
         if self._pending is not None:
             decision, self._pending = self._pending.result(), None  # a failure raises here
             self._apply(step, decision)
+        # no gathering runs now: what its re-probe sent can be handed over (take_probe_sent)
+        self._probe_counted, self.probe_sent = self._probe_counted + self.probe_sent, 0
         mine: dict[str, Any] = {
             "compute": list(seen.compute_s),
             "steps": list(seen.step_s),
@@ -141,9 +145,11 @@ class Controller:
             # no packets crossed regions to time for a while (or too small ones): the region
             # leaders measure the links instead, briefly, from 256 KiB (smaller messages ride
             # tbf-like token buckets at line rate)
-            mine["leader_links"] = probe(
+            measured = probe(
                 self.own.group("leaders"), max_seconds=0.05, repeats=1, start_bytes=BURST_BYTES
-            ).beta
+            )
+            mine["leader_links"] = measured.beta
+            self.probe_sent += measured.sent  # taken by the hook between steps (take_probe_sent)
         gathered: list[Any] = [None] * self.topo.world_size
         dist.all_gather_object(gathered, mine, group=self.own.group("control"))
         decision: list[Any] = [None]
@@ -180,6 +186,11 @@ class Controller:
                 decision.record["text"],
                 decision.step,
             )
+
+    def take_probe_sent(self) -> int:
+        """Bytes this rank sent re-probing the links since the last call (for CommStats)."""
+        sent, self._probe_counted = self._probe_counted, 0
+        return sent
 
     def settle(self) -> None:
         """Wait until the decision on its way has crossed (its gather and broadcast, which every

@@ -35,7 +35,12 @@ BURST_BYTES = 1 << 18
 they can show a link slower than thought, never one faster."""
 
 STALE_DECISIONS = 12
-"""Decisions without a usable measurement of a link before its leaders re-probe it."""
+"""Decisions without a usable measurement of a link before its leaders re-probe it; also the
+fewest decisions between two re-probes that packets arriving slowly asked for."""
+
+SUSPECT = 0.7
+"""Packets arriving at under this share of a link's estimate ask for a re-probe: they lower
+nothing themselves (a late sender, or the round trip, makes a fast link look slow)."""
 
 
 def smoothed(new: float, old: float | None, weight: float) -> float:
@@ -206,6 +211,8 @@ class Estimates:
     """Compressed steps' time beyond the model (thread hand-offs, per-bucket latency)."""
     unmeasured: list[int] = field(default_factory=list)
     """By region: decisions since its link was last measured."""
+    since_probe: int = STALE_DECISIONS
+    """Decisions since the leaders last re-probed the links."""
     zstd_gains: dict[tuple[int, int], ZstdGain] = field(default_factory=dict)
     """(region, rung) -> the smoothed gain of the zstd stage there."""
     measured_steps: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
@@ -228,26 +235,37 @@ class Estimates:
 
     def observe_links(self, interval: Interval, warm: bool, shards: int, ewma: float) -> bool:
         """The interval's re-probe and packet arrivals into the bandwidth estimates; returns
-        whether the leaders should re-probe (links left unmeasured too long)."""
+        whether the leaders should re-probe the links.
+
+        Only a probe - traffic of a size that shows bandwidth - sets an estimate, and lowers it.
+        Packets only raise it (smoothed, from packets large enough: passive_bandwidth): a
+        packet's time is its transfer plus its sender's lateness and the round trip, so packets
+        that arrive slowly ask for a re-probe (SUSPECT) instead of lowering the estimate, which
+        would ask for more compression, smaller packets and a slower-looking link still. Links
+        left unmeasured for STALE_DECISIONS decisions are re-probed too."""
+        self.since_probe += 1
         if interval.probed is not None:
-            probed = interval.probed
+            probed, self.since_probe = interval.probed, 0
             for r in range(len(self.bandwidth)):
                 slowest = min(probed[r][q] for q in range(len(probed)) if q != r)
                 self.bandwidth[r] = min(max(slowest / shards, MIN_BANDWIDTH), MAX_BANDWIDTH)
+        suspect = False
         for region in range(len(self.bandwidth)):
             samples = interval.arrivals[region] if warm else []
-            measured = passive_bandwidth(samples, self.rtt[region], self.bandwidth[region])
+            old = self.bandwidth[region]
+            measured = passive_bandwidth(samples, self.rtt[region], old)
             if measured is None:
                 self.unmeasured[region] += 1
-                continue
-            self.unmeasured[region] = 0
-            old = self.bandwidth[region]
-            # a drop counts at once (the link is slow now); a rise is smoothed
-            rise = old is not None and measured > old
-            self.bandwidth[region] = smoothed(measured, old if rise else None, ewma)
+            elif old is not None and measured < SUSPECT * old:
+                suspect = True
+            else:
+                self.unmeasured[region] = 0
+                rise = old is not None and measured > old
+                self.bandwidth[region] = smoothed(measured, old if rise else None, ewma)
         if interval.probed is not None:
             self.unmeasured = [0] * len(self.bandwidth)
-        return max(self.unmeasured) >= STALE_DECISIONS
+        stale = max(self.unmeasured) >= STALE_DECISIONS
+        return (stale or suspect) and self.since_probe >= STALE_DECISIONS
 
     def observe_stages(self, stages: dict[str, float], ewma: float) -> None:
         """What the dense parts cost per step (rank 0's view), where the interval ran them. The
@@ -312,6 +330,7 @@ class Estimates:
             "allreduce_bw": self.allreduce_bw,
             "unmodelled_s": self.unmodelled_s,
             "unmeasured": list(self.unmeasured),
+            "since_probe": self.since_probe,
             "zstd_gains": [
                 [r, rung, *dataclasses.astuple(g)] for (r, rung), g in self.zstd_gains.items()
             ],
@@ -333,6 +352,7 @@ class Estimates:
             state["allreduce_bw"],
             state["unmodelled_s"],
             list(state.get("unmeasured", [0] * regions)),
+            int(state.get("since_probe", STALE_DECISIONS)),
             {
                 (int(r), int(rung)): ZstdGain(ratio, encode, decode)
                 for r, rung, ratio, encode, decode in state.get("zstd_gains", [])

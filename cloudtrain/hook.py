@@ -393,6 +393,7 @@ class CommState:
             self.plan = self.controller.decide(
                 self.step, seen, self.shard_numels(), self.stats.wan_bytes_sent
             )
+            self.stats.wan_bytes_sent += self.controller.take_probe_sent()  # a re-probe's
             if self.plan.lossless:  # compression stops: what it kept back goes into the gradients
                 self.layouts.release_residuals(self.ef)
 

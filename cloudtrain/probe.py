@@ -1,10 +1,14 @@
 """Bandwidth prober: measure every link between ranks, and find regions from the measurements.
 
-Each ordered pair (i -> j), one pair at a time so no two probes share a bottleneck: i sends
-messages of growing size (64 KiB, doubling, until one takes `max_seconds` or reaches
-`max_bytes`), j answers each with a one-byte ack, i times them. The times are fitted to
+Each ordered pair (i -> j), one pair at a time so no two probes share a bottleneck: after an
+untimed warm-up, i sends one-byte pings, then messages of growing size (64 KiB, doubling) until
+one's transfer - its time less the fastest ping - takes at least `max_seconds` and twice the
+round trip, or the size reaches `max_bytes`; j answers each with a one-byte ack, i times them.
+(Sizes that only show the round trip cannot show bandwidth: across 80 ms, a few hundred KB take
+the round trip and a jitter's worth more, whatever the link's rate.) The times are fitted to
 latency + bytes / bandwidth (least squares), giving alpha (seconds, about one round trip) and beta
-(bytes per second) per direction. Every rank gets the whole matrix.
+(bytes per second) per direction. Every rank gets the whole matrix; `pairs` measures only some
+(the others are copied from a measured pair of the same regions: `expand`).
 
     cloudtrain probe                          # the command (cloudtrain.tools.probe)
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +38,8 @@ class LinkMatrix:
 
     alpha: tuple[tuple[float, ...], ...]
     beta: tuple[tuple[float, ...], ...]
+    sent: int = 0
+    """Bytes this rank sent measuring them (what the measurement cost it)."""
 
     @property
     def world_size(self) -> int:
@@ -81,6 +88,32 @@ def fit_link(samples: list[tuple[int, float]]) -> tuple[float, float]:
     return alpha, 1.0 / slope
 
 
+def fit_measured(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(alpha, beta) from a pair's samples (`_measure`): the latency is the fastest one-byte
+    ping, the bandwidth the largest message's size over its fastest time less that latency;
+    without pings, the least-squares fit of every size (fit_link)."""
+    pings = [t for b, t in samples if b == 1]
+    if not pings:
+        return fit_link(samples)
+    alpha = min(pings)
+    largest = max(b for b, _ in samples)
+    fastest = min(t for b, t in samples if b == largest)
+    return alpha, largest / max(fastest - alpha, 1e-9)
+
+
+def _timed(
+    size: int, payload: torch.Tensor, header: torch.Tensor, ack: torch.Tensor, dst: int, group: Any
+) -> tuple[int, float]:
+    """One timed message of `size` bytes to dst and its ack (dst's receive posted first)."""
+    header[0] = size
+    dist.send(header, dst, group=group)
+    dist.recv(ack, dst, group=group)  # dst's receive is posted
+    t0 = time.perf_counter()
+    dist.send(payload[:size], dst, group=group)
+    dist.recv(ack, dst, group=group)
+    return size, time.perf_counter() - t0
+
+
 def _measure(
     src: int, dst: int, group: Any, max_seconds: float, max_bytes: int, repeats: int, start: int
 ) -> list[tuple[int, float]]:
@@ -89,9 +122,9 @@ def _measure(
     Gloo sends a message only once the receiver has posted its receive (the receiver announces
     it over the wire), so the size goes ahead untimed and dst answers "ready" once its receive
     is posted: the timed part is then payload out and ack back, one round trip plus the
-    transfer. An untimed warm-up transfer first takes TCP out of slow start. Sizes grow until
-    the transfer, not the round trip, dominates: a sample takes max_seconds more than the
-    fastest one."""
+    transfer. An untimed warm-up transfer first takes TCP out of slow start; one-byte pings time
+    the round trip. Sizes grow until the transfer, not the round trip, dominates: at least
+    max_seconds and twice the round trip."""
     me = dist.get_rank()
     header = torch.zeros(1, dtype=torch.int64)
     ack = torch.zeros(1, dtype=torch.uint8)
@@ -106,17 +139,15 @@ def _measure(
         dist.recv(ack, dst, group=group)
         dist.send(payload[: int(header[0])], dst, group=group)
         dist.recv(ack, dst, group=group)
+        for _ in range(max(repeats, 2)):  # the round trip alone: one-byte pings
+            samples.append(_timed(1, payload, header, ack, dst, group))
+        rtt = min(t for _, t in samples)
         while True:
-            for _ in range(repeats):
-                header[0] = size
-                dist.send(header, dst, group=group)
-                dist.recv(ack, dst, group=group)  # dst's receive is posted
-                t0 = time.perf_counter()
-                dist.send(payload[:size], dst, group=group)
-                dist.recv(ack, dst, group=group)
-                samples.append((size, time.perf_counter() - t0))
-            fastest = min(t for _, t in samples)
-            if samples[-1][1] - fastest >= max_seconds or size * 2 > max_bytes:
+            samples.append(_timed(size, payload, header, ack, dst, group))
+            transfer = samples[-1][1] - rtt
+            if transfer >= max(max_seconds, 2 * rtt) or size * 2 > max_bytes:
+                for _ in range(repeats - 1):  # the size that shows bandwidth: its fastest counts
+                    samples.append(_timed(size, payload, header, ack, dst, group))
                 break
             size *= 2
         header[0] = 0
@@ -139,30 +170,69 @@ def probe(
     group: Any = None,
     *,
     max_seconds: float = 0.05,
-    max_bytes: int = 8 * 1024 * 1024,
+    max_bytes: int = 32 * 1024 * 1024,
     repeats: int = 3,
     start_bytes: int = START_BYTES,
+    pairs: Sequence[tuple[int, int]] | None = None,
 ) -> LinkMatrix:
     """All ranks of `group` (a gloo group; default: the world) call this; all get the matrix,
-    indexed by rank within the group."""
+    indexed by rank within the group. `pairs`: the (i, j) to measure (default: all); the others
+    are left as zeros for `expand` to fill."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     ranks = list(range(world))
     global_rank = [dist.get_global_rank(group, r) if group is not None else r for r in ranks]
+    wanted = set(pairs) if pairs is not None else None
     mine: dict[int, tuple[float, float]] = {}
+    sent = 0
     for i in ranks:
         for j in ranks:
-            if i == j:
+            if i == j or (wanted is not None and (i, j) not in wanted):
                 continue
             samples = _measure(
                 global_rank[i], global_rank[j], group, max_seconds, max_bytes, repeats, start_bytes
             )
             if me == i:
-                mine[j] = fit_link(samples)
+                mine[j] = fit_measured(samples)
+                sent += min(WARMUP_BYTES, max_bytes) + sum(b for b, _ in samples)
     rows: list[Any] = [None] * world
     dist.all_gather_object(rows, mine, group=group)
-    alpha = tuple(tuple(0.0 if i == j else rows[i][j][0] for j in ranks) for i in ranks)
-    beta = tuple(tuple(math.inf if i == j else rows[i][j][1] for j in ranks) for i in ranks)
-    return LinkMatrix(alpha, beta)
+    alpha = tuple(tuple(rows[i].get(j, (0.0, math.inf))[0] for j in ranks) for i in ranks)
+    beta = tuple(tuple(rows[i].get(j, (0.0, math.inf))[1] for j in ranks) for i in ranks)
+    return LinkMatrix(alpha, beta, sent)
+
+
+def representative_pairs(members: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """With regions known, the links that stand for all: between every two regions' first
+    ranks, both ways, and inside each region of several ranks its first to its second."""
+    leaders = [m[0] for m in members]
+    out = [(a, b) for a in leaders for b in leaders if a != b]
+    return (
+        out
+        + [(m[0], m[1]) for m in members if len(m) > 1]
+        + [(m[1], m[0]) for m in members if len(m) > 1]
+    )
+
+
+def expand(links: LinkMatrix, members: Sequence[Sequence[int]]) -> LinkMatrix:
+    """A matrix measured on `representative_pairs` for every pair: a link between two regions
+    is their first ranks' link, one inside a region its first to its second rank's."""
+    region = {rank: r for r, m in enumerate(members) for rank in m}
+
+    def source(i: int, j: int) -> tuple[int, int]:
+        a, b = members[region[i]], members[region[j]]
+        return (a[0], b[0]) if region[i] != region[j] else (a[0], a[1])
+
+    n = links.world_size
+    pick = {(i, j): source(i, j) for i in range(n) for j in range(n) if i != j}
+    alpha = tuple(
+        tuple(0.0 if i == j else links.alpha[pick[i, j][0]][pick[i, j][1]] for j in range(n))
+        for i in range(n)
+    )
+    beta = tuple(
+        tuple(math.inf if i == j else links.beta[pick[i, j][0]][pick[i, j][1]] for j in range(n))
+        for i in range(n)
+    )
+    return LinkMatrix(alpha, beta, links.sent)
 
 
 def cluster_regions(links: LinkMatrix, min_ratio: float = 4.0) -> list[int]:

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -35,7 +37,9 @@ import torch.distributed as dist
 
 from .bootstrap import control_group
 from .config import CompressionConfig
-from .probe import LinkMatrix, cluster_regions, probe
+from .probe import LinkMatrix, cluster_regions, expand, probe, representative_pairs
+
+log = logging.getLogger("cloudtrain")
 
 AUTO_REGION = "measured"
 REGION_ENV = "CLOUDTRAIN_REGION"
@@ -160,8 +164,22 @@ class Topology:
         return topo
 
     def probe(self) -> LinkMatrix:
-        """Measure all links now (all ranks call), and keep the result."""
-        self.links = probe(self.group("control"))
+        """Measure the links now (all ranks call), and keep the result: with the regions known,
+        the links that stand for all (probe.representative_pairs: between the regions' first
+        ranks, and one inside each region), the rest copied from them. Logged on rank 0."""
+        t0 = time.perf_counter()
+        pairs = representative_pairs(self.members)
+        self.links = expand(probe(self.group("control"), pairs=pairs), self.members)
+        if self.rank == 0:
+            leaders = [m[0] for m in self.members]
+            seen = ", ".join(
+                f"{self.regions[a]}->{self.regions[b]} {self.links.mbit(la, lb):.1f} Mbit/s "
+                f"{1000 * self.links.alpha[la][lb]:.0f} ms"
+                for a, la in enumerate(leaders)
+                for b, lb in enumerate(leaders)
+                if a != b
+            )
+            log.warning("cloudtrain: links measured in %.1f s: %s", time.perf_counter() - t0, seen)
         return self.links
 
     def group_ranks(self) -> dict[str, list[int]]:
