@@ -34,8 +34,8 @@ from .compress.ladders import LADDER, OUTER_LADDER
 from .config import AUTO, CompressionConfig, ControllerOptions
 from .costs import CostModel, LinkEstimate, plain_seconds, plan_levels
 from .guard import first_ceiling
-from .outer import choose_schedule
-from .plan import Codecs, ceil_div, describe
+from .outer import choose_schedule, fragment_exchange_seconds
+from .plan import Codecs, Rung, ceil_div, describe
 
 BUCKET_BYTES = 25 * 1024 * 1024
 """DDP's default bucket (bucket_cap_mb=25)."""
@@ -321,6 +321,79 @@ def forecast(
     return result
 
 
+@dataclass(frozen=True)
+class Setting:
+    """What predicting one step needs: the model's size, the cluster's shape, each region's
+    link as its shard owners share it, and the compute and dense in-region costs."""
+
+    numel: int
+    world: int
+    links: tuple[LinkEstimate, ...]
+    """By region: its link per shard owner (estimates.region_links' form)."""
+    shards: int
+    compute_s: float
+    intra_s: float
+    """Seconds per step of the dense reduction (and gather) inside a region."""
+
+    @property
+    def buckets(self) -> int:
+        return max(1, ceil_div(4 * self.numel, BUCKET_BYTES))
+
+    def shard_numels(self) -> list[int]:
+        per = BUCKET_BYTES // 4
+        return [ceil_div(min(per, self.numel - i), self.shards) for i in range(0, self.numel, per)]
+
+    def cost_model(self, ladder: Sequence[Rung] = LADDER) -> CostModel:
+        options = ControllerOptions(ladder=tuple(ladder))
+        extra = [0.0 if name == "none" else self.intra_s for name, _ in ladder]
+        return CostModel(self.links, self.compute_s, self.shard_numels(), options,
+                         extra=extra, codecs=Codecs(CompressionConfig()))  # fmt: skip
+
+
+def predict_ddp(s: Setting, nbytes_per_param: int) -> tuple[float, list[float]]:
+    """(step seconds, bytes each region sends across per step) of a ring all-reduce over every
+    rank: each region boundary carries 2 (n-1)/n of the gradients, and the step waits for the
+    slowest link (costs.plain_seconds: every byte crosses twice, a round trip per bucket)."""
+    grad = int(s.numel * nbytes_per_param)
+    if len(s.links) == 1:
+        return s.compute_s + s.intra_s * nbytes_per_param / 4, [0.0]
+    slowest = min(s.links, key=lambda lk: lk.bandwidth)
+    link = LinkEstimate(slowest.bandwidth * s.shards, slowest.rtt)
+    crossing = 2 * (s.world - 1) / s.world * grad
+    return s.compute_s + plain_seconds(grad, link, s.buckets), [crossing] * len(s.links)
+
+
+def predict_rungs(s: Setting, rungs: Sequence[Rung]) -> tuple[float, list[float]]:
+    """(step seconds, bytes each region sends across per step) of per-step CloudDDP sending
+    these rungs (codec, level) by region, synchronous: compute, the dense reduction, and what of
+    the exchange (a round trip per bucket and the transfer, costs.CostModel.rung_seconds) does not
+    hide in compute."""
+    ladder = [("none", None), *dict.fromkeys(r for r in rungs if r[0] != "none")]
+    model = s.cost_model(ladder)
+    at = [ladder.index(r) if r[0] != "none" else 0 for r in rungs]
+    plain = not any(at)
+    exchange = max(
+        model.rung_seconds(lk, r, 0, plain) for lk, r in zip(model.links, at, strict=True)
+    )
+    exposed = max(exchange - model.usable, 0.0)
+    step = s.compute_s + exposed + (0.0 if plain else s.intra_s)
+    return step, [s.shards * model.sizes[r] for r in at]
+
+
+def predict_outer(s: Setting, sync_every: int, rungs: Sequence[Rung]) -> tuple[float, list[float]]:
+    """(step seconds, bytes each region sends across per step) of the outer loop without
+    overlap: inner steps reduce inside the region; every H steps a sync whose exchange (a round
+    trip and the packet to every other region, outer.fragment_exchange_seconds) stalls."""
+    codecs, receivers = Codecs(CompressionConfig()), len(s.links) - 1
+    m = ceil_div(s.numel, s.shards)
+    stall = max(
+        fragment_exchange_seconds(lk, codecs.wire_nbytes(r, m), receivers)
+        for lk, r in zip(s.links, rungs, strict=True)
+    )
+    wan = [s.shards * receivers * codecs.wire_nbytes(r, m) / sync_every for r in rungs]
+    return s.compute_s + s.intra_s + stall / sync_every, wan
+
+
 @dataclass
 class _Context:
     """What every mode's forecast is computed from."""
@@ -372,82 +445,52 @@ class _Context:
         return ModeForecast(mode, config, step, self.compute, sum(wan) * 1000 / 1e9, total, egress,
                             mem, True, detail)  # fmt: skip
 
+    def setting(self) -> Setting:
+        intra = self.intra_s(4 * self.workload.params)
+        links = tuple(self.region_links())
+        return Setting(
+            int(self.workload.params), sum(self.gpus), links, self.shards, self.compute, intra
+        )
+
     def ddp(self, nbytes_per_param: int) -> ModeForecast:
-        """A ring all-reduce over every GPU: each region boundary carries 2 (n-1)/n of the
-        gradients; a round trip per bucket (costs.plain_seconds)."""
-        grad = self.workload.params * nbytes_per_param
-        n, regions = sum(self.gpus), len(self.cluster.regions)
-        slowest = min(self.region_links(), key=lambda lk: lk.bandwidth)
-        link = LinkEstimate(slowest.bandwidth * self.shards, slowest.rtt)
-        buckets = max(1, ceil_div(int(grad), BUCKET_BYTES))
-        comm = plain_seconds(int(grad), link, buckets) if regions > 1 else self.intra_s(grad)
-        crossing = 2 * (n - 1) / n * grad if regions > 1 else 0.0
+        step, wan = predict_ddp(self.setting(), nbytes_per_param)
         mode = "DDP" if nbytes_per_param == 4 else "DDP + fp16 hook"
-        config = None  # plain DDP: no cloudtrain config
         mem = STATE_BYTES * self.workload.params / 1e9
-        return self.row(mode, config, self.compute + comm, [crossing] * regions, mem, "")
+        return self.row(mode, None, step, wan, mem, "")
 
     def auto(self) -> list[ModeForecast]:
         """Per-step "auto": the cost model's rung per link, synchronous (the quality guard
         pipelines only where the gradient barely moves), under its first ceiling and without."""
-        options, codecs = ControllerOptions(), Codecs(CompressionConfig())
-        numel = int(self.workload.params)
-        per_bucket = BUCKET_BYTES // 4
-        shard_numels = [
-            ceil_div(min(per_bucket, numel - i), self.shards) for i in range(0, numel, per_bucket)
-        ]
-        grad = 4 * self.workload.params
-        intra = self.intra_s(grad)
-        extra = [0.0 if name == "none" else intra for name, _ in LADDER]
-        model = CostModel(
-            self.region_links(), self.compute, shard_numels, options, extra=extra, codecs=codecs
-        )
+        setting = self.setting()
+        model = setting.cost_model()
         rows = []
+        mem = (STATE_BYTES * self.workload.params + 4 * self.workload.params / self.shards) / 1e9
         for label, ceiling in (
             ("≤ 4-bit: the guard's start", first_ceiling(LADDER)),
             ("sparse rungs kept", len(LADDER) - 1),
         ):
             rungs, _, _ = plan_levels(model, ceilings=[ceiling] * len(model.links))
-            plain = not any(rungs)
-            exposed = max(
-                max(
-                    model.rung_seconds(lk, r, 0, plain)
-                    for lk, r in zip(model.links, rungs, strict=True)
-                )
-                - model.usable,
-                0.0,
-            )
-            wan = [self.shards * model.sizes[r] for r in rungs]
-            mem = (
-                STATE_BYTES * self.workload.params + 4 * self.workload.params / self.shards
-            ) / 1e9
+            step, wan = predict_rungs(setting, [LADDER[r] for r in rungs])
             levels = ", ".join(describe(LADDER[r]) for r in rungs)
-            rows.append(self.row(f'per-step "auto" ({label})', CompressionConfig().to_dict(),
-                                 self.compute + exposed + (intra if not plain else 0.0), wan, mem, levels))  # fmt: skip
+            config = CompressionConfig().to_dict()
+            rows.append(self.row(f'per-step "auto" ({label})', config, step, wan, mem, levels))
         return rows
 
     def outer(self, preset: str) -> ModeForecast:
-        """The outer loop: inner steps all-reduce inside the region; every H steps a sync whose
-        exchange (without overlap) stalls the step (outer.choose_schedule picks H and codec)."""
-        numel, links = int(self.workload.params), self.region_links()
+        """The outer loop: H and codec as outer.choose_schedule picks them (or the preset's)."""
+        setting = self.setting()
         cfg = CompressionConfig.resolve("diloco" if preset == AUTO else preset).outer
-        intra = self.intra_s(4 * self.workload.params)
-        step = self.compute + intra
         codecs = Codecs(CompressionConfig())
         ladder = OUTER_LADDER if cfg.codec == AUTO else ((cfg.codec, cfg.level),)
         sched = choose_schedule(
-            numel, links, self.shards, step, 1, 0, codecs.wire_nbytes, cfg.sync_every, ladder
-        )
-        m = ceil_div(numel, self.shards)
-        receivers = len(self.cluster.regions) - 1
-        wan = [
-            self.shards * receivers * codecs.wire_nbytes(rung, m) / sched.sync_every
-            for rung in sched.rungs
-        ]
+            setting.numel, setting.links, self.shards, self.compute + setting.intra_s, 1, 0,
+            codecs.wire_nbytes, cfg.sync_every, ladder,
+        )  # fmt: skip
+        step, wan = predict_outer(setting, sched.sync_every, sched.rungs)
         state = 4 + (4 if cfg.outer_momentum > 0 else 0) + 4 / self.shards
         mem = (STATE_BYTES + state) * self.workload.params / 1e9
         name = f"outer loop ({'diloco' if preset == AUTO else preset})"
         chosen = dataclasses.replace(cfg, sync_every=sched.sync_every) if preset == AUTO else cfg
         config = CompressionConfig.resolve("diloco", outer=chosen).to_dict()
         detail = f"H={sched.sync_every}, {', '.join(describe(r) for r in sched.rungs)}"
-        return self.row(name, config, step + sched.exchange_s / sched.sync_every, wan, mem, detail)
+        return self.row(name, config, step, wan, mem, detail)
