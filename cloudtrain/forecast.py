@@ -366,7 +366,7 @@ def predict_ddp(s: Setting, nbytes_per_param: int) -> tuple[float, list[float]]:
 def predict_rungs(s: Setting, rungs: Sequence[Rung]) -> tuple[float, list[float]]:
     """(step seconds, bytes each region sends across per step) of per-step CloudDDP sending
     these rungs (codec, level) by region, synchronous: compute, the dense reduction, and what of
-    the exchange (a round trip per bucket and the transfer, costs.CostModel.rung_seconds) does not
+    the exchange (a round trip and the transfer, costs.CostModel.rung_seconds) does not
     hide in compute."""
     ladder = [("none", None), *dict.fromkeys(r for r in rungs if r[0] != "none")]
     model = s.cost_model(ladder)
