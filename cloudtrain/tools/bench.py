@@ -412,15 +412,13 @@ def run(args: argparse.Namespace) -> int:
         args.batch = 2048 if args.scenario == "drop" else 256
     if args.worker:
         return worker(args)
-    if args.quality:
-        return quality.run(args)
     if args.warmup >= args.steps:
         raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
-    report = drive(args)
+    report = quality.drive(args) if args.quality else drive(args)
     if args.json:
         print(json.dumps(report))
     else:
-        print_table(report)
+        (quality.print_table if args.quality else print_table)(report)
     return 0
 
 
