@@ -311,6 +311,9 @@ class OuterLoop:
         self.path = CrossRegion(config, self.own, self.codecs, self.ef, stats)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cloudtrain-outer")
         self._handle = optimizer.register_step_post_hook(self._after_step)
+        self.elastic: Any = None
+        """The region's membership (cloudtrain.elastic.ElasticRegion) in an elastic run: syncs
+        then run over the regions present."""
 
     def offset(self, f: int) -> int:
         assert self.schedule is not None
@@ -369,6 +372,9 @@ class OuterLoop:
         self.schedule = choice[0]
 
     def _sync(self, f: int) -> None:
+        if self.elastic is not None:  # over the regions present (cloudtrain.elastic)
+            self.elastic.sync(f)
+            return
         local = self.parts.local(f)
         delta = self.global_[f].float() - local
         step = self.step
@@ -383,9 +389,22 @@ class OuterLoop:
         mean = flight.future.result()  # its error, if any, is raised here, on the training thread
         self._apply(flight.fragment, mean, flight.local_at_send, self.parts.local(flight.fragment))
 
-    def _exchange(self, f: int, delta: torch.Tensor, step: int) -> torch.Tensor:
-        """The mean over regions of the regions' pseudo-gradients of fragment f."""
-        topo = self.topo
+    def _exchange(
+        self,
+        f: int,
+        delta: torch.Tensor,
+        step: int,
+        path: CrossRegion | None = None,
+        plan: Plan | None = None,
+        divisor: int | None = None,
+        failures: list[BaseException] | None = None,
+    ) -> torch.Tensor:
+        """The mean over regions of the regions' pseudo-gradients of fragment f. An elastic run
+        (cloudtrain.elastic) gives the present regions' `path` and `plan`, the `divisor` (the
+        regions that contribute) and `failures`: a failed exchange across regions is appended
+        there, and the rank still takes part in the gather inside its region."""
+        path = path or self.path
+        topo = path.topo
         regions = len(topo.regions)
         if regions == 1:
             return delta
@@ -402,10 +421,16 @@ class OuterLoop:
             # zstd unless the config says no: once per H steps, behind the inner steps, its CPU
             # is small and the bytes it saves are what the outer loop is for
             zstd = (self.config.zstd is not False,) * regions
-            plan = Plan(self.schedule.rungs, zstd=zstd)
-            summed = self.path.exchange(mine, plan, step, f, n, where)
-        self.path.gather_in_region(Shard(padded, n, m, mine), summed, where)
-        return (padded[:n] / regions).to(device)
+            plan = plan or Plan(self.schedule.rungs, zstd=zstd)
+            try:
+                summed = path.exchange(mine, plan, step, f, n, where)
+            except CommError as e:
+                if failures is None:
+                    raise
+                failures.append(e)
+                summed = torch.zeros(m, dtype=torch.float32)
+        path.gather_in_region(Shard(padded, n, m, mine), summed, where)
+        return (padded[:n] / (divisor or regions)).to(device)
 
     def _apply(
         self, f: int, mean: torch.Tensor, local_at_send: torch.Tensor, local_now: torch.Tensor
@@ -431,6 +456,9 @@ class OuterLoop:
         if self.schedule is None:
             self._decide()
         for f in range(self.fragments):
+            if self.elastic is not None:
+                self.elastic.sync(f)
+                continue
             local = self.parts.local(f)
             self._apply(
                 f, self._exchange(f, self.global_[f].float() - local, self.step), local, local
@@ -453,7 +481,7 @@ class OuterLoop:
                 "params": [p.detach().cpu().clone() for p in self.params],
                 "optimizer": _cpu_copy(self.optimizer.state_dict()),
             }
-        return {
+        state = {
             "region": region,
             "format": OUTER_STATE_FORMAT,
             "step": self.step,
@@ -472,6 +500,9 @@ class OuterLoop:
                 for fl in sorted(self.flights.values(), key=lambda x: x.fragment)
             ],
         }
+        if self.elastic is not None:
+            state["elastic"] = self.elastic.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("format") != OUTER_STATE_FORMAT:
@@ -505,6 +536,8 @@ class OuterLoop:
             )
         if "region" in state and not self.topo.single_region:  # (absent in older states)
             self._load_region(state["region"])
+        if self.elastic is not None and state.get("elastic") is not None:
+            self.elastic.load_state_dict(state["elastic"])
         self._times, self._last = [], time.perf_counter()
 
     def _load_region(self, region: dict[str, Any] | None) -> None:
