@@ -32,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "cloudtrain.tools.lighthouse",
         "torchft's Lighthouse: who is present in an elastic run",
     ),
+    "plan": (
+        "cloudtrain.tools.plan",
+        "step time, traffic, dollars and memory of each mode, before provisioning",
+    ),
     "bench": (
         "cloudtrain.tools.bench",
         "DDP, fp16, PowerSGD and CloudDDP side by side over an emulated WAN",
