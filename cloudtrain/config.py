@@ -291,6 +291,11 @@ class ElasticConfig:
     """Fewer regions present than this pause training at the next sync until enough are back
     (they never train alone). The Lighthouse's own --min_replicas should be the same."""
 
+    start_regions: int = 0
+    """A fresh run (no region has committed a sync yet) starts training once this many regions
+    are present, so that the first regions do not train alone while the others are still
+    starting; 0: min_regions."""
+
     exchange_timeout_s: float = 30.0
     """Seconds a collective across regions (an exchange, a state transfer, making the groups)
     may take before the region is taken as lost and the sync is redone with those present: the
@@ -318,6 +323,7 @@ class ElasticConfig:
                 "'http://10.0.0.5:29510', or None to read TORCHFT_LIGHTHOUSE"
             )
         _number("elastic.min_regions", self.min_regions, 1, 4096, integer=True)
+        _number("elastic.start_regions", self.start_regions, 0, 4096, integer=True)
         _number("elastic.exchange_timeout_s", self.exchange_timeout_s, 0, 86400, open_lo=True)
         _number("elastic.quorum_timeout_s", self.quorum_timeout_s, 0, 86400, open_lo=True)
         _number("elastic.heartbeat_s", self.heartbeat_s, 0, 60, open_lo=True)

@@ -103,6 +103,8 @@ class Member:
     """CRC of its outer copy when it asked."""
     store: str
     """host:port of its TCP store, for the groups of a quorum it leads."""
+    group: str = ""
+    """The key of the cross groups it holds and whose last sync committed ("": none)."""
 
     @classmethod
     def of(cls, member: Any) -> Member:
@@ -118,6 +120,7 @@ class Member:
             fragment=int(data.get("fragment", 0)),
             digest=int(data.get("digest", 0)),
             store=member.store_address,
+            group=str(data.get("group", "")),
         )
 
     @property
@@ -131,7 +134,8 @@ class View:
 
     quorum_id: int
     key: str
-    """Names this quorum's groups in the store (a new quorum, new groups)."""
+    """Names this quorum's cross groups: the one every member holds (they are reused: making
+    gloo groups across the WAN costs round trips), else a new one for this quorum."""
     members: tuple[Member, ...]
     """The regions taking part, by region name (a member's index is its region index)."""
     contributors: tuple[int, ...]
@@ -171,7 +175,8 @@ def decide(participants: Sequence[Member], quorum_id: int, key: str, me: str) ->
     participant of another identity is refused. Of two claiming one region, the more advanced
     stays (ties: the smaller replica id). If some members are at a sync, the contributors are
     those of them with the most syncs committed; else (all are starting) those equal to the most
-    advanced (syncs and outer copy). Everyone else joins, each from a contributor in turn."""
+    advanced (syncs and outer copy). Everyone else joins, each from a contributor in turn. The
+    cross groups are reused where every member holds the same ones (`key` otherwise)."""
     if not participants:
         raise ValueError("decide: a quorum has at least one participant")
     top = max(p.rank_key for p in participants)
@@ -192,6 +197,9 @@ def decide(participants: Sequence[Member], quorum_id: int, key: str, me: str) ->
         else:
             by_region[p.region] = p
     members = tuple(by_region[r] for r in sorted(by_region))
+    held = {m.group for m in members}
+    if len(held) == 1 and "" not in held:
+        key = held.pop()
     syncing = [i for i, m in enumerate(members) if m.step >= 0]
     if syncing:
         best = max(members[i].rank_key for i in syncing)
@@ -222,18 +230,28 @@ def identity_of(description: dict[str, Any]) -> dict[str, str]:
 # -- groups made per quorum ------------------------------------------------------------------
 
 
-def cross_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+def cross_group(store: Any, rank: int, size: int, timeout: timedelta, ranks: Sequence[int]) -> Any:
     """A gloo process group of `size` ranks on `store` (a PrefixStore per quorum and shard), made
-    outside torch.distributed's registry - as torchft's own ProcessGroupGloo makes its groups -
-    so that it can be made and dropped with each quorum. torch's collectives take it as `group`
-    (point-to-point by group rank: `group_dst`/`group_src`)."""
+    outside torch.distributed's world - as torchft's own ProcessGroupGloo makes its groups - so
+    that it can be made and dropped with each quorum. Group rank i stands for rank `ranks[i]` of
+    the quorum's Topology: that translation is registered (`release_group` removes it), so the
+    exchange's point-to-point calls (`dst=` a Topology rank) work on it unchanged."""
     pg = dist.ProcessGroup(store, rank, size)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     backend = dist.ProcessGroupGloo(store, rank, size, timeout)
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     if torch.cuda.is_available():
         pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
+    dist.distributed_c10d._world.pg_group_ranks[pg] = {r: i for i, r in enumerate(ranks)}
     return pg
+
+
+def release_group(pg: Any) -> None:
+    """Forget a quorum's group (`cross_group`): its translation of ranks (its gloo pairs close
+    when it is collected)."""
+    if pg is None:
+        return
+    dist.distributed_c10d._world.pg_group_ranks.pop(pg, None)
 
 
 def view_topology(
@@ -331,6 +349,10 @@ class ElasticRegion:
         self._stop = threading.Event()
         self._client = self._heartbeat = self._store = None
         self._received: dict[str, Any] | None = None
+        self._group: Any = None
+        """The last quorum's cross group (released when the next is made)."""
+        self._group_key = ""
+        """Its key while its last sync committed; "" once a sync on it failed."""
         store_addr = None
         if self.local == 0:
             from torchft._torchft import LighthouseClient
@@ -375,13 +397,19 @@ class ElasticRegion:
     def close(self) -> None:
         """Stop heartbeating: the Lighthouse leaves this region out after its heartbeat timeout."""
         self._stop.set()
+        if self._heartbeat is not None:  # a heartbeat in flight ends within its 5 s timeout
+            self._heartbeat.join(10)
+            self._heartbeat = None
         if self.guard is not None and self.guard.watcher is not None:
             self.guard.watcher.stop(0)
 
     # -- the quorum ---------------------------------------------------------------------------
     def _ask(self, step: int, fragment: int) -> View | None:
         """Rank 0 asks the Lighthouse; every rank of the region gets the same View (None: no
-        quorum in time - a pause)."""
+        quorum in time - a pause). The cross groups are offered for reuse only where every
+        rank of the region still holds them."""
+        if not self._agree(bool(self._group_key)):
+            self._group_key = ""
         view = None
         if self.local == 0:
             loop = self.loop
@@ -392,6 +420,7 @@ class ElasticRegion:
                 "step": step,
                 "fragment": fragment,
                 "digest": outer_digest(loop.global_),
+                "group": self._group_key,
             }
             try:
                 q = self._client.quorum(
@@ -426,14 +455,15 @@ class ElasticRegion:
                 self.close()
                 why = dict(view.refused).get(self.replica_id, "")
                 raise ElasticRefused(f"cloudtrain elastic: region {self.region} refused: {why}")
-            if view is not None and len(view.members) >= self.options.min_regions:
+            need = self._needed(view)
+            if view is not None and len(view.members) >= need:
                 break
             if not paused:
                 self.stats.pauses += 1
                 have = "no quorum" if view is None else f"regions {list(view.regions)}"
                 log.warning(
                     "cloudtrain elastic: region %s pauses at step %s: %s, at least %d needed",
-                    self.region, step, have, self.options.min_regions,
+                    self.region, step, have, need,
                 )  # fmt: skip
                 paused = True
             time.sleep(min(1.0, self.options.quorum_timeout_s))
@@ -445,6 +475,12 @@ class ElasticRegion:
         for _, why in view.refused:
             self.stats.refused.append(why)
         return view
+
+    def _needed(self, view: View | None) -> int:
+        """Regions that must be present: min_regions, or start_regions in a fresh run."""
+        fresh = self.commits == 0 and (view is None or all(m.commits == 0 for m in view.members))
+        start = self.options.start_regions or self.options.min_regions
+        return max(self.options.min_regions, start) if fresh else self.options.min_regions
 
     def _note(self, view: View) -> bool:
         """Log and count a change of membership; True if the members differ from the last sync."""
@@ -557,10 +593,24 @@ class ElasticRegion:
             why = str(failures[0]) if failures else "another rank of the region failed"
             return self._failed(view, why), loaded
         loop._apply(fragment, mean, local, local)
+        if fragment == 0 and loop.buffers is not None:
+            self._reconcile_buffers(view, cross)
         return self._committed(view, cross, changed, fragment), loaded
+
+    def _reconcile_buffers(self, view: View, cross: Any) -> None:
+        """The present regions' buffers made one (cloudtrain.buffers): this rank's with its
+        counterparts', then the region's first rank's inside the region. Not fatal: a region
+        lost here is noticed at the next sync, and the buffers differ until then."""
+        try:
+            self.loop.buffers.across_regions(cross, self.timeout, f" at step {view.step}")
+        except CommError as e:
+            log.warning("cloudtrain elastic: buffers not reconciled at step %s: %s", view.step, e)
+            self._group_key = ""
+        self.loop.buffers.in_region()
 
     def _committed(self, view: View, cross: Any, changed: bool, fragment: int | None) -> bool:
         """A sync done: counted, and checked across regions where membership changed."""
+        self._group_key = view.key if cross is not None else ""
         if fragment is not None:
             self.commits += 1
         self.stats.syncs += 1
@@ -571,6 +621,7 @@ class ElasticRegion:
 
     def _failed(self, view: View, why: str) -> bool:
         self.stats.failed_syncs += 1
+        self._group_key = ""  # a group a collective failed on is not used again
         log.warning(
             "cloudtrain elastic: region %s: sync at step %s with regions %s failed, asking for a "
             "new quorum: %s", self.region, view.step, list(view.regions), why.splitlines()[0],
@@ -589,6 +640,9 @@ class ElasticRegion:
         """This quorum's group of this rank's shard owners (None alone)."""
         if len(view.members) == 1:
             return None
+        if view.key == self._group_key and self._group is not None:
+            return self._group
+        self._group_key = ""
         address = view.store
         t0 = time.perf_counter()
         try:
@@ -600,7 +654,11 @@ class ElasticRegion:
                 )
                 self._stores[address] = store
             prefixed = dist.PrefixStore(f"{view.key}/cross{self.local}", store)
-            return cross_group(prefixed, view.me, len(view.members), self.timeout)
+            ranks = [r * self.k + self.local for r in range(len(view.members))]
+            release_group(self._group)
+            self._group = None
+            self._group = cross_group(prefixed, view.me, len(view.members), self.timeout, ranks)
+            return self._group
         except Exception as e:
             raise CommError(
                 collective_failure(
@@ -796,6 +854,7 @@ class ElasticRegion:
                        "the outer copy's check", t0)  # fmt: skip
         except CommError as e:
             log.warning("cloudtrain elastic: outer copy check not done: %s", e)
+            self._group_key = ""
             return
         if len(set(out.tolist())) != 1:
             raise ReplicaMismatch(

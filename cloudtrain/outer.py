@@ -311,6 +311,9 @@ class OuterLoop:
         self.path = CrossRegion(config, self.own, self.codecs, self.ef, stats)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cloudtrain-outer")
         self._handle = optimizer.register_step_post_hook(self._after_step)
+        self.buffers: Any = None
+        """The module's buffers (cloudtrain.buffers.RegionBuffers), reconciled across regions at
+        every sync of fragment 0; None: none, or broadcast by DDP."""
         self.elastic: Any = None
         """The region's membership (cloudtrain.elastic.ElasticRegion) in an elastic run: syncs
         then run over the regions present."""
@@ -375,6 +378,8 @@ class OuterLoop:
         if self.elastic is not None:  # over the regions present (cloudtrain.elastic)
             self.elastic.sync(f)
             return
+        if f == 0:
+            self._reconcile_buffers()
         local = self.parts.local(f)
         delta = self.global_[f].float() - local
         step = self.step
@@ -383,6 +388,12 @@ class OuterLoop:
             return
         future = self._pool.submit(self._exchange, f, delta, step)
         self.flights[f] = _FragmentSync(f, step, step + self.outer.overlap, local, future)
+
+    def _reconcile_buffers(self) -> None:
+        """The regions' buffers made one (cloudtrain.buffers), on the training thread."""
+        if self.buffers is not None and not self.topo.single_region:
+            where = f" at outer step {self.step}"
+            self.buffers.across_regions(self.topo.group("control"), self.config.timeout, where)
 
     def _merge(self, flight: _FragmentSync) -> None:
         del self.flights[flight.fragment]
@@ -455,6 +466,8 @@ class OuterLoop:
             self._merge(flight)
         if self.schedule is None:
             self._decide()
+        if self.elastic is None:
+            self._reconcile_buffers()
         for f in range(self.fragments):
             if self.elastic is not None:
                 self.elastic.sync(f)

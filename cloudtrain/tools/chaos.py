@@ -27,22 +27,21 @@ prints one JSON line per step and a last `RESULT {json}`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-LIGHTHOUSE_PORT = 29510
-
 
 # -- one rank ---------------------------------------------------------------------------------
 
@@ -53,7 +52,7 @@ def worker(args: argparse.Namespace) -> int:
 
     import cloudtrain
     from cloudtrain.config import OuterConfig
-    from cloudtrain.elastic import RegionLeft
+    from cloudtrain.elastic import ElasticRefused, RegionLeft
     from cloudtrain.tools.data import digits, digits_mlp
 
     torch.set_num_threads(1)
@@ -69,6 +68,7 @@ def worker(args: argparse.Namespace) -> int:
     outer = OuterConfig(sync_every=args.sync_every, codec=args.codec, level=args.level)
     elastic = {
         "min_regions": args.min_regions,
+        "start_regions": args.start_regions,
         "exchange_timeout_s": args.exchange_timeout,
         "quorum_timeout_s": args.quorum_timeout,
         "spot": args.spot,
@@ -78,7 +78,13 @@ def worker(args: argparse.Namespace) -> int:
         codec="none", error_feedback=False, outer=outer, elastic=elastic, timeout_s=120
     )
     t_start = time.time()
-    model = cloudtrain.CloudDDP(net, config, optimizer=opt)
+    try:
+        model = cloudtrain.CloudDDP(net, config, optimizer=opt)
+    except ElasticRefused as e:
+        if rank == 0:
+            print("RESULT " + json.dumps({"region": region, "refused": str(e)}), flush=True)
+        dist.destroy_process_group()
+        return 3
     joined = time.time()
     per_rank = args.batch // dist.get_world_size()
     seed = zlib.crc32(region.encode()) + args.seed
@@ -99,6 +105,8 @@ def worker(args: argparse.Namespace) -> int:
         if rank == 0:
             line = {"step": model.steps_done, "t": time.time(), "dt": time.time() - t0}
             line["regions"] = list(model.elastic.stats.regions)
+            if model.steps_done % args.sync_every == 0:  # just synced: the replica's digest
+                line["digest"] = _digest(net)
             print(json.dumps(line), flush=True)
         if left:
             break
@@ -108,9 +116,7 @@ def worker(args: argparse.Namespace) -> int:
         model.finish_outer()
     with torch.no_grad():
         accuracy = (net(x_test).argmax(1) == y_test).float().mean().item()
-    digest = 0
-    for p in net.parameters():
-        digest = zlib.crc32(p.detach().contiguous().view(torch.uint8).numpy().data, digest)
+    digest = _digest(net)
     stats = model.stats()
     if rank == 0:
         result = {
@@ -129,6 +135,16 @@ def worker(args: argparse.Namespace) -> int:
     model.close()
     dist.destroy_process_group()
     return 0
+
+
+def _digest(net: Any) -> int:
+    """CRC of the parameters, bit for bit."""
+    import torch
+
+    digest = 0
+    for p in net.parameters():
+        digest = zlib.crc32(p.detach().contiguous().view(torch.uint8).numpy().data, digest)
+    return digest
 
 
 # -- regions on the emulated WAN --------------------------------------------------------------
@@ -171,27 +187,49 @@ class RegionProcs:
         return any(p.poll() is None for p in self.procs)
 
 
-class Cluster:
-    """Regions of `ranks` ranks each on an Emulator whose last region ("lh", one rank) holds the
-    Lighthouse. `start(region)` launches (or relaunches) every rank of a region."""
+class LocalNet:
+    """Regions on this host's loopback (no WAN shaping): what `Cluster` needs of an Emulator,
+    for runs where only membership matters (a fake metadata server on 127.0.0.1 is reachable)."""
 
-    def __init__(self, wan: Any, regions: Sequence[str], ranks: int, worker_args: list[str],
-                 env: dict[str, str] | None = None, log_dir: str | None = None) -> None:  # fmt: skip
-        self.wan, self.regions, self.ranks = wan, list(regions), ranks
-        self.worker_args, self.env = worker_args, env or {}
+    def __init__(self, layout: dict[str, int]) -> None:
+        self.layout = [(r, i) for r, n in layout.items() for i in range(n)]
+
+    def ranks(self, region: str) -> list[int]:
+        return [k for k, (r, _) in enumerate(self.layout) if r == region]
+
+    def address(self, rank: int) -> str:
+        return "127.0.0.1"
+
+    def popen(self, rank: int, argv: Sequence[str], env: dict[str, str] | None = None,
+              **kwargs: Any) -> subprocess.Popen:  # fmt: skip
+        full = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "CLOUDTRAIN_REGION": self.layout[rank][0]}
+        return subprocess.Popen(list(argv), env={**full, **(env or {})}, **kwargs)
+
+
+class Cluster:
+    """Regions of `ranks` ranks each on an Emulator (or a LocalNet) whose region "lh" (one rank)
+    holds the Lighthouse. `start(region)` launches (or relaunches) every rank of a region, as
+    its own torchrun would; `ports`: each region's MASTER_PORT and the Lighthouse's."""
+
+    def __init__(self, wan: Any, regions: Sequence[str], worker_args: list[str],
+                 log_dir: str | None = None, ports: Sequence[int] | None = None) -> None:  # fmt: skip
+        self.wan, self.regions = wan, list(regions)
+        self.worker_args = worker_args
         self.log_dir = log_dir
-        self.ports = {r: 29600 + 10 * i for i, r in enumerate(self.regions)}
+        ports = list(ports or [29600 + 10 * i for i in range(len(self.regions) + 1)])
+        self.ports = dict(zip(self.regions, ports, strict=False))
+        self.lighthouse_port = ports[len(self.regions)]
         self.current: dict[str, RegionProcs] = {}
         self.history: list[RegionProcs] = []
         lh = wan.ranks("lh")[0]
-        self.lighthouse_url = f"http://{wan.address(lh)}:{LIGHTHOUSE_PORT}"
+        self.lighthouse_url = f"http://{wan.address(lh)}:{self.lighthouse_port}"
         self.lighthouse: subprocess.Popen | None = None
 
     def start_lighthouse(self, min_regions: int, heartbeat_s: float) -> None:
         lh = self.wan.ranks("lh")[0]
         argv = [
             sys.executable, "-m", "cloudtrain.tools.lighthouse",
-            "--bind", f"0.0.0.0:{LIGHTHOUSE_PORT}", "--min-regions", str(min_regions),
+            "--bind", f"0.0.0.0:{self.lighthouse_port}", "--min-regions", str(min_regions),
             "--heartbeat-timeout-s", str(heartbeat_s),
         ]  # fmt: skip
         self.lighthouse = self.wan.popen(
@@ -202,10 +240,11 @@ class Cluster:
         if not line.startswith("lighthouse"):
             raise RuntimeError(f"the Lighthouse did not start: {line!r}")
 
-    def start(self, region: str, extra_env: dict[str, str] | None = None) -> RegionProcs:
+    def start(self, region: str, extra_env: dict[str, str] | None = None,
+              args: Sequence[str] = ()) -> RegionProcs:  # fmt: skip
+        """Every rank of `region` (again): the same command, or with `args` added."""
         ranks = self.wan.ranks(region)
         env = {
-            **self.env,
             "WORLD_SIZE": str(len(ranks)),
             "MASTER_ADDR": self.wan.address(ranks[0]),
             "MASTER_PORT": str(self.ports[region]),
@@ -214,7 +253,14 @@ class Cluster:
             "PYTHONUNBUFFERED": "1",
             **(extra_env or {}),
         }
-        argv = [sys.executable, "-m", "cloudtrain.tools.chaos", "--worker", *self.worker_args]
+        argv = [
+            sys.executable,
+            "-m",
+            "cloudtrain.tools.chaos",
+            "--worker",
+            *self.worker_args,
+            *args,
+        ]
         procs = []
         for local, rank in enumerate(ranks):
             log = subprocess.DEVNULL
@@ -229,7 +275,7 @@ class Cluster:
                     stdout=subprocess.PIPE if local == 0 else subprocess.DEVNULL,
                     stderr=log,
                     text=True,
-                )  # fmt: skip
+                )
             )
         run = RegionProcs(region, procs, time.time())
         run.reader = threading.Thread(target=run.read, daemon=True)
@@ -265,33 +311,38 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return [
         "--steps", str(args.steps), "--sync-every", str(args.sync_every),
         "--codec", args.codec, "--level", str(args.level), "--min-regions", str(args.min_regions),
+        "--start-regions", str(args.start_regions or args.regions),
         "--hidden", str(args.hidden), "--batch", str(args.batch), "--lr", str(args.lr),
         "--seed", str(args.seed), "--exchange-timeout", str(args.exchange_timeout),
         "--quorum-timeout", str(args.quorum_timeout), "--pace", str(args.pace),
     ]  # fmt: skip
 
 
-def survivors_around(cluster: Cluster, killed: RegionProcs, window_s: float = 30.0) -> dict:
-    """The survivors' longest step from the kill until `window_s` later, their normal sync (the
-    median of their sync steps before the kill) and the detection time (kill to the first step
-    line that shows the region gone)."""
+def survivors_around(cluster: Cluster, killed: RegionProcs) -> dict[str, Any]:
+    """What each survivor of a kill saw: its longest step from the kill until the region was
+    started again (or 30 s), its normal sync (the median of its sync steps before the kill), the
+    detection time (kill to the end of its first step without the region) and the step at
+    which the restarted region joined it (join_stall_s)."""
     out: dict[str, Any] = {}
     t = killed.killed or 0.0
+    again = next((r for r in cluster.history if r.name == killed.name and r.started > t), None)
+    end = t + 30.0  # until the restart's heartbeats begin (it then joins the survivors' sync)
+    if again is not None:
+        end = (again.result or {}).get("started", again.started)
     for run in cluster.history:
-        if run is killed or run.name == killed.name:
+        if run.name == killed.name or run.started > t or (run.killed or t + 1) < t:
             continue
-        after = [ln for ln in run.lines if t <= ln["t"] <= t + window_s]
+        after = [ln for ln in run.lines if t <= ln["t"] <= end]
         before = [ln for ln in run.lines if ln["t"] < t]
-        gone = next((ln for ln in run.lines if ln["t"] >= t and killed.name not in ln["regions"]),
+        gone = next((ln for ln in after if killed.name not in ln["regions"]), None)
+        back = next((ln for ln in run.lines if ln["t"] > end and killed.name in ln["regions"]),
                     None)  # fmt: skip
-        syncs = sorted(
-            ln["dt"] for ln in before if ln["dt"] > 3 * _median([x["dt"] for x in before])
-        )
         out[run.name] = {
             "longest_step_s": max((ln["dt"] for ln in after), default=None),
-            "normal_sync_s": _median(syncs) if syncs else None,
-            "normal_step_s": _median([ln["dt"] for ln in before]),
+            "normal_sync_s": _median([ln["dt"] for ln in before[1:] if "digest" in ln]),
+            "normal_step_s": _median([ln["dt"] for ln in before if "digest" not in ln]),
             "detected_s": None if gone is None else gone["t"] - t,
+            "join_stall_s": None if back is None else back["dt"],
         }
     return out
 
@@ -301,62 +352,92 @@ def _median(xs: Sequence[float]) -> float | None:
     return xs[len(xs) // 2] if xs else None
 
 
-def run_scenario(args: argparse.Namespace) -> dict[str, Any]:
+@contextlib.contextmanager
+def network(args: argparse.Namespace, layout: dict[str, int]) -> Iterator[tuple[Any, str]]:
+    """The emulated WAN (root), or with --local this host's loopback; and its description."""
+    if args.local:
+        yield LocalNet(layout), "loopback (no WAN shaping)"
+        return
     from cloudtrain.tools.netem import Emulator, teardown
 
-    names = [f"r{i}" for i in range(args.regions)]
-    layout = {**dict.fromkeys(names, args.ranks), "lh": 1}
     name = f"ch{os.getpid() % 10000}-{uuid.uuid4().hex[:3]}"
-    report: dict[str, Any] = {"scenario": args.scenario, "regions": names, "ranks": args.ranks}
-    rng = random.Random(args.seed)
     try:
         with Emulator(layout, args.mbit, rtt_ms=args.rtt_ms, name=name) as wan:
-            report["network"] = f"{args.mbit} Mbit/s, {args.rtt_ms} ms RTT, {wan.emulation}"
-            cluster = Cluster(wan, names, args.ranks, worker_argv(args), log_dir=args.logs)
-            try:
-                cluster.start_lighthouse(args.min_regions, args.heartbeat)
-                for r in names:
-                    cluster.start(r)
-                events = []
-                if args.scenario == "kill":
-                    victim = cluster.current[names[-1]]
-                    _wait_step(cluster, victim, args.kill_at, args.timeout)
-                    victim.kill()
-                    events.append(("kill", victim))
-                    time.sleep(args.restart_after)
-                    events.append(("start", cluster.start(victim.name)))
-                elif args.scenario == "chaos":
-                    for _ in range(args.events):
-                        time.sleep(rng.uniform(args.min_gap, args.max_gap))
-                        alive = [r for r in names if cluster.current[r].alive()]
-                        dead = [r for r in names if not cluster.current[r].alive()]
-                        if dead and (len(alive) <= args.min_regions or rng.random() < 0.5):
-                            events.append(("start", cluster.start(rng.choice(dead))))
-                        elif len(alive) > args.min_regions:
-                            victim = cluster.current[rng.choice(alive)]
-                            victim.kill()
-                            events.append(("kill", victim))
-                    for r in names:
-                        if not cluster.current[r].alive():
-                            events.append(("start", cluster.start(r)))
-                cluster.wait(args.timeout)
-                report["events"] = [
-                    (kind, run.name, run.killed or run.started) for kind, run in events
-                ]
-                report["around_kills"] = [
-                    survivors_around(cluster, run) for kind, run in events if kind == "kill"
-                ]
-                finals = {r: cluster.current[r].result for r in names}
-                report["results"] = finals
-                digests = {r: res["digest"] for r, res in finals.items() if res}
-                report["replicas_equal"] = len(set(digests.values())) == 1 and len(digests) == len(
-                    names
-                )
-                report["counters"] = wan.counters()
-            finally:
-                cluster.stop()
+            yield wan, f"{args.mbit} Mbit/s, {args.rtt_ms} ms RTT, {wan.emulation}"
     finally:
         teardown(name)
+
+
+def free_ports(n: int) -> list[int]:
+    """n TCP ports nothing listens on now (loopback runs)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def chaos_events(cluster: Cluster, args: argparse.Namespace) -> list[tuple[str, RegionProcs]]:
+    """--events random kills and restarts of whole regions, --min-gap..--max-gap seconds apart;
+    a region is killed only while more than --min-regions regions that have trained are alive
+    (the run's state lives on in them); at the end every dead region is started again."""
+    rng = random.Random(args.seed)
+    names, events = cluster.regions, []
+    for _ in range(args.events):
+        time.sleep(rng.uniform(args.min_gap, args.max_gap))
+        trained = [r for r in names if cluster.current[r].alive() and cluster.current[r].lines]
+        dead = [r for r in names if not cluster.current[r].alive()]
+        if dead and (len(trained) <= args.min_regions or rng.random() < 0.5):
+            events.append(("start", cluster.start(rng.choice(dead))))
+        elif len(trained) > args.min_regions:
+            victim = cluster.current[rng.choice(trained)]
+            victim.kill()
+            events.append(("kill", victim))
+    for r in names:
+        if not cluster.current[r].alive():
+            events.append(("start", cluster.start(r)))
+    return events
+
+
+def run_scenario(args: argparse.Namespace) -> dict[str, Any]:
+    """One scenario (module docstring), every process and namespace removed after it."""
+    names = [f"r{i}" for i in range(args.regions)]
+    layout = {**dict.fromkeys(names, args.ranks), "lh": 1}
+    report: dict[str, Any] = {"scenario": args.scenario, "regions": names, "ranks": args.ranks}
+    with network(args, layout) as (net, described):
+        report["network"] = described
+        ports = free_ports(len(names) + 1) if args.local else None
+        cluster = Cluster(net, names, worker_argv(args), log_dir=args.logs, ports=ports)
+        try:
+            cluster.start_lighthouse(args.min_regions, args.heartbeat)
+            for r in names:
+                cluster.start(r)
+            events = []
+            if args.scenario == "kill":
+                victim = cluster.current[names[-1]]
+                _wait_step(cluster, victim, args.kill_at, args.timeout)
+                victim.kill()
+                events.append(("kill", victim))
+                time.sleep(args.restart_after)
+                events.append(("start", cluster.start(victim.name)))
+            elif args.scenario == "chaos":
+                events = chaos_events(cluster, args)
+            cluster.wait(args.timeout)
+        finally:
+            cluster.stop()
+        report["events"] = [(kind, run.name, run.killed or run.started) for kind, run in events]
+        report["around_kills"] = [
+            survivors_around(cluster, run) for kind, run in events if kind == "kill"
+        ]
+        finals = {r: cluster.current[r].result for r in names}
+        report["results"] = finals
+        digests = [res["digest"] for res in finals.values() if res and "digest" in res]
+        report["replicas_equal"] = len(set(digests)) == 1 and len(digests) == len(names)
+        if not args.local:
+            report["counters"] = net.counters()
     return report
 
 
@@ -380,6 +461,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--codec", default="quant")
     parser.add_argument("--level", type=int, default=8)
     parser.add_argument("--min-regions", type=int, default=1)
+    parser.add_argument(
+        "--start-regions", type=int, default=0, help="regions a fresh run waits for (0: all)"
+    )
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.05)
@@ -398,6 +482,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--logs", default=None, help="folder for every rank's stderr")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--local", action="store_true", help="on loopback, no WAN (no root)")
 
 
 def run(args: argparse.Namespace) -> int:
