@@ -32,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "cloudtrain.tools.lighthouse",
         "torchft's Lighthouse: who is present in an elastic run",
     ),
+    "chaos": (
+        "cloudtrain.tools.chaos",
+        "regions killed, restarted and leaving on the emulated WAN: an elastic run measured",
+    ),
     "plan": (
         "cloudtrain.tools.plan",
         "step time, traffic, dollars and memory of each mode, before provisioning",

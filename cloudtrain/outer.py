@@ -484,7 +484,7 @@ class OuterLoop:
     def state_dict(self) -> dict[str, Any]:
         """Outer copy, momentum, residuals, in-flight fragments (their exchanges are waited for,
         so that the residuals are the ones after them) and the schedule; on a region's first rank
-        also the region's own parameters and inner optimizer state ("region"): regions differ
+        also the region's own parameters, buffers and inner optimizer state ("region"): regions differ
         between syncs, and a checkpoint's one copy of the model and optimizer is one region's."""
         self.catch_up()
         self._wait()
@@ -493,6 +493,9 @@ class OuterLoop:
             region = {
                 "params": [p.detach().cpu().clone() for p in self.params],
                 "optimizer": _cpu_copy(self.optimizer.state_dict()),
+                "buffers": None
+                if self.buffers is None
+                else [b.detach().cpu().clone() for b in self.buffers.buffers],
             }
         state = {
             "region": region,
@@ -586,6 +589,10 @@ class OuterLoop:
         with torch.no_grad():
             for p, value in zip(self.params, params, strict=True):
                 p.copy_(value)
+            buffers = got[0].get("buffers")  # (absent in older states)
+            if buffers is not None and self.buffers is not None:
+                for b, value in zip(self.buffers.buffers, buffers, strict=True):
+                    b.copy_(value)
         self.optimizer.load_state_dict(got[0]["optimizer"])
 
     def settle(self) -> None:

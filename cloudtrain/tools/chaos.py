@@ -381,12 +381,18 @@ def free_ports(n: int) -> list[int]:
 
 
 def chaos_events(cluster: Cluster, args: argparse.Namespace) -> list[tuple[str, RegionProcs]]:
-    """--events random kills and restarts of whole regions, --min-gap..--max-gap seconds apart;
+    """Once every region trains, --events random kills and restarts of whole regions,
+    --min-gap..--max-gap seconds apart;
     a region is killed only while more than --min-regions regions that have trained are alive
     (the run's state lives on in them); at the end every dead region is started again."""
     rng = random.Random(args.seed)
     names, events = cluster.regions, []
-    for _ in range(args.events):
+    deadline = time.time() + args.timeout
+    for r in names:  # the run has begun: every region has trained
+        _wait_step(cluster, cluster.current[r], 1, deadline - time.time())
+    while len(events) < args.events:
+        if time.time() > deadline:
+            raise TimeoutError(f"chaos: {len(events)} of {args.events} events in {args.timeout} s")
         time.sleep(rng.uniform(args.min_gap, args.max_gap))
         trained = [r for r in names if cluster.current[r].alive() and cluster.current[r].lines]
         dead = [r for r in names if not cluster.current[r].alive()]
