@@ -213,13 +213,14 @@ def test_spot_notice_leaves_at_a_sync_a_mismatched_joiner_is_refused(tmp_path) -
 @pytest.mark.timeout(240)
 def test_chaos_random_kills_and_restarts_end_with_equal_replicas(tmp_path) -> None:
     """3 regions of one rank on loopback, 5 random kills and restarts of whole regions (never
-    fewer than one region that has trained alive): every region finishes the run within the
-    bound, and all hold the same parameters."""
+    fewer than one region that has trained alive); once all are back the harness ends the run 3
+    syncs later: every region finishes within the bound, at the same step, with the same
+    parameters."""
     parser = argparse.ArgumentParser()
     chaos.configure(parser)
     args = parser.parse_args(
         ["--scenario", "chaos", "--local", "--regions", "3", "--ranks", "1", "--events", "5",
-         "--min-gap", "1.5", "--max-gap", "3", "--steps", "600", "--pace", "0.04",
+         "--min-gap", "1.5", "--max-gap", "3", "--steps", "5000", "--pace", "0.04",
          "--heartbeat", str(HEARTBEAT_S), "--timeout", "150", "--logs", str(tmp_path),
          "--seed", "3"]
     )  # fmt: skip
@@ -228,4 +229,5 @@ def test_chaos_random_kills_and_restarts_end_with_equal_replicas(tmp_path) -> No
     kinds = [kind for kind, *_ in report["events"]]
     assert len(kinds) >= 5 and "kill" in kinds and "start" in kinds, kinds
     assert report["replicas_equal"], report["results"]
-    assert all(r["steps"] == 600 for r in report["results"].values())
+    steps = {r["steps"] for r in report["results"].values()}
+    assert len(steps) == 1 and steps.pop() < 5000, report["results"]  # ended at the stop step

@@ -35,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -46,25 +47,10 @@ from typing import Any
 # -- one rank ---------------------------------------------------------------------------------
 
 
-def worker(args: argparse.Namespace) -> int:
-    import torch
-    import torch.nn.functional as F
-
+def _config(args: argparse.Namespace) -> Any:
     import cloudtrain
     from cloudtrain.config import OuterConfig
-    from cloudtrain.elastic import ElasticRefused, RegionLeft
-    from cloudtrain.tools.data import digits, digits_mlp
 
-    torch.set_num_threads(1)
-    cloudtrain.init()
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    region = os.environ["CLOUDTRAIN_REGION"]
-    x_train, y_train, x_test, y_test = digits(args.seed)
-    torch.manual_seed(args.seed)
-    net = digits_mlp(args.hidden)
-    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     outer = OuterConfig(sync_every=args.sync_every, codec=args.codec, level=args.level)
     elastic = {
         "min_regions": args.min_regions,
@@ -74,30 +60,40 @@ def worker(args: argparse.Namespace) -> int:
         "spot": args.spot,
         "spot_poll_s": args.spot_poll,
     }
-    config = cloudtrain.CompressionConfig(
+    return cloudtrain.CompressionConfig(
         codec="none", error_feedback=False, outer=outer, elastic=elastic, timeout_s=120
     )
-    t_start = time.time()
-    try:
-        model = cloudtrain.CloudDDP(net, config, optimizer=opt)
-    except ElasticRefused as e:
-        if rank == 0:
-            print("RESULT " + json.dumps({"region": region, "refused": str(e)}), flush=True)
-        dist.destroy_process_group()
-        return 3
-    joined = time.time()
-    per_rank = args.batch // dist.get_world_size()
-    seed = zlib.crc32(region.encode()) + args.seed
-    left = False
-    while model.steps_done < args.steps:
-        step = model.steps_done
-        gen = torch.Generator().manual_seed(seed * 100_003 + step)
+
+
+def _total(args: argparse.Namespace) -> int:
+    """--steps, or the step the harness wrote into --stop-file (it ends a run of unknown length)."""
+    if args.stop_file and os.path.exists(args.stop_file):
+        with open(args.stop_file) as f:
+            text = f.read().strip()
+        if text:
+            return int(text)
+    return args.steps
+
+
+def _train(model: Any, opt: Any, args: argparse.Namespace, data: tuple, rank: int) -> bool:
+    """Steps until the run's total (one JSON line a step on rank 0); True if the region left."""
+    import torch
+    import torch.nn.functional as F
+
+    from cloudtrain.elastic import RegionLeft
+
+    x_train, y_train = data
+    per_rank = args.batch // model.elastic.k
+    seed = zlib.crc32(model.elastic.region.encode()) + args.seed
+    while model.steps_done < _total(args):
+        gen = torch.Generator().manual_seed(seed * 100_003 + model.steps_done)
         idx = torch.randint(len(x_train), (args.batch,), generator=gen)
         mine = idx[rank * per_rank : (rank + 1) * per_rank]
         t0 = time.time()
         loss = F.cross_entropy(model(x_train[mine]), y_train[mine])
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        left = False
         try:
             opt.step()
         except RegionLeft:
@@ -106,31 +102,54 @@ def worker(args: argparse.Namespace) -> int:
             line = {"step": model.steps_done, "t": time.time(), "dt": time.time() - t0}
             line["regions"] = list(model.elastic.stats.regions)
             if model.steps_done % args.sync_every == 0:  # just synced: the replica's digest
-                line["digest"] = _digest(net)
+                line["digest"] = _digest(model.module)
             print(json.dumps(line), flush=True)
         if left:
-            break
+            return True
         if args.pace:
             time.sleep(args.pace)
+    return False
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One rank of one region: join, train, print the RESULT line (module docstring)."""
+    import torch
+
+    import cloudtrain
+    from cloudtrain.elastic import ElasticRefused
+    from cloudtrain.tools.data import digits, digits_mlp
+
+    torch.set_num_threads(1)
+    cloudtrain.init()
+    import torch.distributed as dist
+
+    rank, region = dist.get_rank(), os.environ["CLOUDTRAIN_REGION"]
+    x_train, y_train, x_test, y_test = digits(args.seed)
+    torch.manual_seed(args.seed)
+    net = digits_mlp(args.hidden)
+    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    t_start = time.time()
+    try:
+        model = cloudtrain.CloudDDP(net, _config(args), optimizer=opt)
+    except ElasticRefused as e:
+        if rank == 0:
+            print("RESULT " + json.dumps({"region": region, "refused": str(e)}), flush=True)
+        dist.destroy_process_group()
+        return 3
+    joined = time.time()
+    left = _train(model, opt, args, (x_train, y_train), rank)
     if not left:
         model.finish_outer()
     with torch.no_grad():
         accuracy = (net(x_test).argmax(1) == y_test).float().mean().item()
-    digest = _digest(net)
     stats = model.stats()
     if rank == 0:
         result = {
-            "region": region,
-            "accuracy": accuracy,
-            "digest": digest,
-            "left": left,
-            "steps": model.steps_done,
-            "started": t_start,
-            "joined": joined,
-            "finished": time.time(),
-            "elastic": stats.elastic,
+            "region": region, "accuracy": accuracy, "digest": _digest(net), "left": left,
+            "steps": model.steps_done, "started": t_start, "joined": joined,
+            "finished": time.time(), "elastic": stats.elastic,
             "wan_bytes_sent": stats.wan_bytes_sent,
-        }
+        }  # fmt: skip
         print("RESULT " + json.dumps(result), flush=True)
     model.close()
     dist.destroy_process_group()
@@ -315,6 +334,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         "--hidden", str(args.hidden), "--batch", str(args.batch), "--lr", str(args.lr),
         "--seed", str(args.seed), "--exchange-timeout", str(args.exchange_timeout),
         "--quorum-timeout", str(args.quorum_timeout), "--pace", str(args.pace),
+        *(["--stop-file", args.stop_file] if args.stop_file else []),
     ]  # fmt: skip
 
 
@@ -405,6 +425,19 @@ def chaos_events(cluster: Cluster, args: argparse.Namespace) -> list[tuple[str, 
     for r in names:
         if not cluster.current[r].alive():
             events.append(("start", cluster.start(r)))
+    if args.stop_file:  # all back and training together: end the run 3 syncs from now
+        together = lambda: all(  # noqa: E731
+            cluster.current[r].lines and set(cluster.current[r].lines[-1]["regions"]) == set(names)
+            for r in names
+        )
+        while not together():
+            if time.time() > deadline:
+                raise TimeoutError(f"chaos: the regions were not all back in {args.timeout} s")
+            time.sleep(0.2)
+        h = args.sync_every
+        stop = (max(cluster.current[r].step for r in names) // h + 3) * h
+        with open(args.stop_file, "w") as f:
+            f.write(str(stop))
     return events
 
 
@@ -413,6 +446,8 @@ def run_scenario(args: argparse.Namespace) -> dict[str, Any]:
     names = [f"r{i}" for i in range(args.regions)]
     layout = {**dict.fromkeys(names, args.ranks), "lh": 1}
     report: dict[str, Any] = {"scenario": args.scenario, "regions": names, "ranks": args.ranks}
+    if args.scenario == "chaos" and not args.stop_file:  # the run ends once all are back
+        args.stop_file = os.path.join(tempfile.mkdtemp(prefix="cloudtrain-chaos-"), "stop")
     with network(args, layout) as (net, described):
         report["network"] = described
         ports = free_ports(len(names) + 1) if args.local else None
@@ -489,6 +524,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logs", default=None, help="folder for every rank's stderr")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--local", action="store_true", help="on loopback, no WAN (no root)")
+    parser.add_argument(
+        "--stop-file",
+        default=None,
+        help="chaos: the step the run ends at is written here once every region is back "
+        "(--steps is then an upper bound)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
