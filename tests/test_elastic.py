@@ -79,6 +79,27 @@ def test_decide_is_the_same_whatever_the_order() -> None:
     assert len(views) == 1
 
 
+def test_elastic_config_says_what_it_needs() -> None:
+    from cloudtrain import CompressionConfig
+    from cloudtrain.config import OuterConfig
+
+    with pytest.raises(ValueError, match="needs the outer loop"):
+        CompressionConfig(elastic=True)
+    with pytest.raises(ValueError, match="outer.sync_every or outer.codec 'auto'"):
+        CompressionConfig(outer=OuterConfig(), elastic=True)
+    with pytest.raises(ValueError, match="unknown elastic options"):
+        CompressionConfig(
+            outer=OuterConfig(sync_every=10, codec="quant", level=8), elastic={"x": 1}
+        )
+    fixed = OuterConfig(sync_every=10, codec="quant", level=8)
+    a = CompressionConfig(outer=fixed, elastic={"lighthouse": "http://a:1"})
+    b = CompressionConfig(outer=fixed, elastic={"lighthouse": "http://b:2"})
+    assert a.fingerprint() == b.fingerprint()  # regions may reach the Lighthouse by other names
+    assert (
+        a.fingerprint() != CompressionConfig(outer=fixed, elastic={"min_regions": 2}).fingerprint()
+    )
+
+
 # -- real runs --------------------------------------------------------------------------------
 
 
