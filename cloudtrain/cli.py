@@ -28,6 +28,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "local WAN emulator: a namespace per rank, tbf-shaped regions",
     ),
     "probe": ("cloudtrain.tools.probe", "measure bandwidth and latency between all ranks"),
+    "lighthouse": (
+        "cloudtrain.tools.lighthouse",
+        "torchft's Lighthouse: who is present in an elastic run",
+    ),
+    "chaos": (
+        "cloudtrain.tools.chaos",
+        "regions killed, restarted and leaving on the emulated WAN: an elastic run measured",
+    ),
     "plan": (
         "cloudtrain.tools.plan",
         "step time, traffic, dollars and memory of each mode, before provisioning",

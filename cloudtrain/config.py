@@ -276,6 +276,73 @@ class OuterConfig:
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    """Regions that come and go (cloudtrain.elastic, docs/elastic.md): each region is launched on
+    its own and joins the run through a torchft Lighthouse; a lost region's survivors go on, a
+    restarted or new region gets the live state from a peer and is counted from the next sync.
+    Outer loop only (CompressionConfig(outer=...)), with a fixed sync_every and codec and no
+    overlap."""
+
+    lighthouse: str | None = None
+    """The torchft Lighthouse's address ("http://host:port"); None: TORCHFT_LIGHTHOUSE. (Not part
+    of the config's fingerprint: regions may reach it by different names.)"""
+
+    min_regions: int = 1
+    """Fewer regions present than this pause training at the next sync until enough are back
+    (they never train alone). The Lighthouse's own --min_replicas should be the same."""
+
+    start_regions: int = 0
+    """A fresh run (no region has committed a sync yet) starts training once this many regions
+    are present, so that the first regions do not train alone while the others are still
+    starting; 0: min_regions."""
+
+    exchange_timeout_s: float = 30.0
+    """Seconds a collective across regions (an exchange, a state transfer, making the groups)
+    may take before the region is taken as lost and the sync is redone with those present: the
+    bound on noticing a partition."""
+
+    quorum_timeout_s: float = 60.0
+    """Seconds one quorum request waits before it is logged as a pause and asked again."""
+
+    heartbeat_s: float = 0.1
+    """Seconds between the region's heartbeats to the Lighthouse."""
+
+    spot: bool = False
+    """Watch the EC2 spot notice on every rank (cloudtrain.spot.SpotWatcher); a notice makes the
+    region leave after the next sync, its pseudo-gradient handed over."""
+
+    spot_poll_s: float = 5.0
+    """Seconds between two polls of the spot notice."""
+
+    def __post_init__(self) -> None:
+        if self.lighthouse is not None and (
+            not isinstance(self.lighthouse, str) or "://" not in self.lighthouse
+        ):
+            raise ValueError(
+                f"elastic.lighthouse={self.lighthouse!r}: give the Lighthouse's URL, e.g. "
+                "'http://10.0.0.5:29510', or None to read TORCHFT_LIGHTHOUSE"
+            )
+        _number("elastic.min_regions", self.min_regions, 1, 4096, integer=True)
+        _number("elastic.start_regions", self.start_regions, 0, 4096, integer=True)
+        _number("elastic.exchange_timeout_s", self.exchange_timeout_s, 0, 86400, open_lo=True)
+        _number("elastic.quorum_timeout_s", self.quorum_timeout_s, 0, 86400, open_lo=True)
+        _number("elastic.heartbeat_s", self.heartbeat_s, 0, 60, open_lo=True)
+        if not isinstance(self.spot, bool):
+            raise ValueError(f"elastic.spot={self.spot!r} must be True or False")
+        _number("elastic.spot_poll_s", self.spot_poll_s, 0, 3600, open_lo=True)
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> ElasticConfig:
+        """Options from a plain dict (e.g. read from JSON): unknown keys are an error."""
+        unknown = set(options) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(
+                f"unknown elastic options {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}"
+            )
+        return cls(**options)
+
+
+@dataclass(frozen=True)
 class CompressionConfig:
     codec: str = AUTO
     """Codec for cross-region traffic: a name or composition from cloudtrain.compress
@@ -335,6 +402,11 @@ class CompressionConfig:
     """The outer loop (OuterConfig, or its fields as a dict): gradients are then reduced inside
     each region only, and parameters cross regions every few steps (CloudDDP needs optimizer=).
     None: every step's gradients cross regions."""
+
+    elastic: ElasticConfig | dict | bool | None = None
+    """Regions that come and go (ElasticConfig, its fields as a dict, or True for its defaults):
+    each region launched on its own joins the run, a lost one is survived, a spot notice makes a
+    region leave at the next sync (cloudtrain.elastic). None: a fixed set of ranks, as before."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.codec, str) or not self.codec.strip():
@@ -413,11 +485,50 @@ class CompressionConfig:
                 f"codec={self.codec!r} with an outer loop: gradients then never cross regions "
                 "per step; give the pseudo-gradients' codec as outer.codec and leave codec unset"
             )
+        if self.elastic is True:
+            object.__setattr__(self, "elastic", ElasticConfig())
+        elif self.elastic is False:
+            object.__setattr__(self, "elastic", None)
+        elif isinstance(self.elastic, dict):
+            object.__setattr__(self, "elastic", ElasticConfig.from_dict(self.elastic))
+        elif self.elastic is not None and not isinstance(self.elastic, ElasticConfig):
+            raise ValueError(
+                "elastic: an ElasticConfig, its fields as a dict (e.g. {'min_regions': 2}), True "
+                "or None"
+            )
+        if self.elastic is not None:
+            self._check_elastic()
         if self.outer is not None and self.verify_every:
             raise ValueError(
                 f"verify_every={self.verify_every} with an outer loop: regions' replicas differ "
                 "between syncs by design; leave verify_every at 0 and call verify_replicas() "
                 "after CloudDDP.finish_outer()"
+            )
+
+    def _check_elastic(self) -> None:
+        outer = self.outer
+        if outer is None:
+            raise ValueError(
+                "elastic=... needs the outer loop (e.g. 'diloco-4bit', or outer=OuterConfig(...)): "
+                "regions agree on who is present only at syncs; per-step mode is not elastic"
+            )
+        if outer.sync_every == AUTO or outer.codec == AUTO:
+            raise ValueError(
+                "elastic=... with outer.sync_every or outer.codec 'auto': give both (e.g. "
+                "sync_every=50, codec='quant', level=8); every region must know them before it "
+                "joins"
+            )
+        slowest = max(self.elastic.quorum_timeout_s, self.elastic.exchange_timeout_s)
+        if slowest >= self.timeout_s:
+            raise ValueError(
+                f"elastic quorum_timeout_s/exchange_timeout_s ({slowest:g}) must be below "
+                f"timeout_s={self.timeout_s:g}: the region's own ranks wait that long for the "
+                "one that asks the Lighthouse or moves the state"
+            )
+        if outer.overlap:
+            raise ValueError(
+                f"elastic=... with outer.overlap={outer.overlap}: an exchange in flight while "
+                "regions come and go is not supported; use overlap=0"
             )
 
     @classmethod
@@ -513,6 +624,10 @@ class CompressionConfig:
         }
         if fields["zstd"] is None:  # states saved before the option existed still load
             del fields["zstd"]
+        if fields["elastic"] is None:  # (as zstd)
+            del fields["elastic"]
+        else:  # the Lighthouse's address may differ per region, like the timeout
+            fields["elastic"] = dataclasses.replace(fields["elastic"], lighthouse=None)
         text = json.dumps(fields, sort_keys=True, default=repr)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .bootstrap import init
+from .buffers import RegionBuffers
 from .config import AUTO, CompressionConfig
 from .hook import CommState, compressed_hook
 from .outer import OuterLoop
@@ -53,15 +54,20 @@ def _check_dense(module: torch.nn.Module) -> None:
             )
 
 
-def _check_agreement(module: torch.nn.Module, config: CompressionConfig) -> None:
-    """All ranks compare model and config before the first step; a difference raises, named."""
+def _identity(module: torch.nn.Module, config: CompressionConfig) -> dict[str, Any]:
+    """What every rank (and, in an elastic run, every region) must run alike."""
     from . import __version__
 
-    mine = {
+    return {
         "version": __version__,
         "config": config.fingerprint(),
         "model": _model_description(module),
     }
+
+
+def _check_agreement(module: torch.nn.Module, config: CompressionConfig) -> None:
+    """All ranks compare model and config before the first step; a difference raises, named."""
+    mine = _identity(module, config)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     ref = everyone[0]
@@ -135,6 +141,27 @@ class CloudDDP(DistributedDataParallel):
             if outer
             else None
         )
+        self.buffers = None
+        """Outer-loop mode: the module's buffers, broadcast inside the region only and
+        reconciled across regions at syncs (cloudtrain.buffers); None otherwise."""
+        if outer and getattr(self, "forward_sync_buffers", self.broadcast_buffers):
+            self.forward_sync_buffers = self.broadcast_buffers = False  # (torch >= 2.13; older)
+            region_group = topo.groups.get(f"region{topo.region}")
+            self.buffers = RegionBuffers.of(self.module, region_group)
+            self.outer.buffers = self.buffers
+        self.elastic = None
+        if config.elastic is not None:  # this launch is one region of the run; it joins now
+            from .elastic import ElasticRegion, identity_of
+
+            def set_step(step: int) -> None:
+                comm.step = step
+
+            self.elastic = ElasticRegion(
+                config, topo, self.outer, self.module, set_step,
+                identity_of(_identity(self.module, config)),
+            )  # fmt: skip
+            self.outer.elastic = self.elastic
+            self.elastic.join()
         if topo.single_region and not config.lossless and config.codec != AUTO:
             log.info(
                 "cloudtrain: all ranks are in one region, so gradients are all-reduced without lossy "
@@ -145,7 +172,16 @@ class CloudDDP(DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.outer is not None and self.training and torch.is_grad_enabled():
             self.outer.catch_up()  # where AMP skipped this region's last step (OuterLoop)
+            if self.buffers is not None:  # DDP's broadcast, inside the region
+                self.buffers.in_region()
         return super().forward(*inputs, **kwargs)
+
+    @property
+    def steps_done(self) -> int:
+        """Gradient syncs done (the hook's step count). In an elastic run a region that joined
+        or took the state of the run counts from the run's step: train while it is below the
+        run's total."""
+        return self.comm.step
 
     @property
     def compression_config(self) -> CompressionConfig:
@@ -188,6 +224,8 @@ class CloudDDP(DistributedDataParallel):
         self.comm.settle()
         if self.outer is not None:
             self.outer.settle()
+        if self.elastic is not None:
+            self.elastic.close()
 
     def verify_replicas(self) -> None:
         """Check now that all replicas' parameters agree bit for bit (all ranks must call it)."""
@@ -200,6 +238,8 @@ class CloudDDP(DistributedDataParallel):
         stats = self.comm.stats.copy()
         if self.comm.controller is not None:
             stats.controller = self.comm.controller.snapshot()
+        if self.elastic is not None:
+            stats.elastic = self.elastic.snapshot()
         return stats
 
     def register_comm_hook(self, state: object, hook: Any) -> None:

@@ -311,6 +311,12 @@ class OuterLoop:
         self.path = CrossRegion(config, self.own, self.codecs, self.ef, stats)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cloudtrain-outer")
         self._handle = optimizer.register_step_post_hook(self._after_step)
+        self.buffers: Any = None
+        """The module's buffers (cloudtrain.buffers.RegionBuffers), reconciled across regions at
+        every sync of fragment 0; None: none, or broadcast by DDP."""
+        self.elastic: Any = None
+        """The region's membership (cloudtrain.elastic.ElasticRegion) in an elastic run: syncs
+        then run over the regions present."""
 
     def offset(self, f: int) -> int:
         assert self.schedule is not None
@@ -369,6 +375,11 @@ class OuterLoop:
         self.schedule = choice[0]
 
     def _sync(self, f: int) -> None:
+        if self.elastic is not None:  # over the regions present (cloudtrain.elastic)
+            self.elastic.sync(f)
+            return
+        if f == 0:
+            self._reconcile_buffers()
         local = self.parts.local(f)
         delta = self.global_[f].float() - local
         step = self.step
@@ -378,14 +389,33 @@ class OuterLoop:
         future = self._pool.submit(self._exchange, f, delta, step)
         self.flights[f] = _FragmentSync(f, step, step + self.outer.overlap, local, future)
 
+    def _reconcile_buffers(self) -> None:
+        """The regions' buffers made one (cloudtrain.buffers), on the training thread."""
+        if self.buffers is not None and not self.topo.single_region:
+            where = f" at outer step {self.step}"
+            self.buffers.across_regions(self.topo.group("control"), self.config.timeout, where)
+
     def _merge(self, flight: _FragmentSync) -> None:
         del self.flights[flight.fragment]
         mean = flight.future.result()  # its error, if any, is raised here, on the training thread
         self._apply(flight.fragment, mean, flight.local_at_send, self.parts.local(flight.fragment))
 
-    def _exchange(self, f: int, delta: torch.Tensor, step: int) -> torch.Tensor:
-        """The mean over regions of the regions' pseudo-gradients of fragment f."""
-        topo = self.topo
+    def _exchange(
+        self,
+        f: int,
+        delta: torch.Tensor,
+        step: int,
+        path: CrossRegion | None = None,
+        plan: Plan | None = None,
+        divisor: int | None = None,
+        failures: list[BaseException] | None = None,
+    ) -> torch.Tensor:
+        """The mean over regions of the regions' pseudo-gradients of fragment f. An elastic run
+        (cloudtrain.elastic) gives the present regions' `path` and `plan`, the `divisor` (the
+        regions that contribute) and `failures`: a failed exchange across regions is appended
+        there, and the rank still takes part in the gather inside its region."""
+        path = path or self.path
+        topo = path.topo
         regions = len(topo.regions)
         if regions == 1:
             return delta
@@ -402,10 +432,16 @@ class OuterLoop:
             # zstd unless the config says no: once per H steps, behind the inner steps, its CPU
             # is small and the bytes it saves are what the outer loop is for
             zstd = (self.config.zstd is not False,) * regions
-            plan = Plan(self.schedule.rungs, zstd=zstd)
-            summed = self.path.exchange(mine, plan, step, f, n, where)
-        self.path.gather_in_region(Shard(padded, n, m, mine), summed, where)
-        return (padded[:n] / regions).to(device)
+            plan = plan or Plan(self.schedule.rungs, zstd=zstd)
+            try:
+                summed = path.exchange(mine, plan, step, f, n, where)
+            except CommError as e:
+                if failures is None:
+                    raise
+                failures.append(e)
+                summed = torch.zeros(m, dtype=torch.float32)
+        path.gather_in_region(Shard(padded, n, m, mine), summed, where)
+        return (padded[:n] / (divisor or regions)).to(device)
 
     def _apply(
         self, f: int, mean: torch.Tensor, local_at_send: torch.Tensor, local_now: torch.Tensor
@@ -430,7 +466,12 @@ class OuterLoop:
             self._merge(flight)
         if self.schedule is None:
             self._decide()
+        if self.elastic is None:
+            self._reconcile_buffers()
         for f in range(self.fragments):
+            if self.elastic is not None:
+                self.elastic.sync(f)
+                continue
             local = self.parts.local(f)
             self._apply(
                 f, self._exchange(f, self.global_[f].float() - local, self.step), local, local
@@ -443,7 +484,7 @@ class OuterLoop:
     def state_dict(self) -> dict[str, Any]:
         """Outer copy, momentum, residuals, in-flight fragments (their exchanges are waited for,
         so that the residuals are the ones after them) and the schedule; on a region's first rank
-        also the region's own parameters and inner optimizer state ("region"): regions differ
+        also the region's own parameters, buffers and inner optimizer state ("region"): regions differ
         between syncs, and a checkpoint's one copy of the model and optimizer is one region's."""
         self.catch_up()
         self._wait()
@@ -452,8 +493,11 @@ class OuterLoop:
             region = {
                 "params": [p.detach().cpu().clone() for p in self.params],
                 "optimizer": _cpu_copy(self.optimizer.state_dict()),
+                "buffers": None
+                if self.buffers is None
+                else [b.detach().cpu().clone() for b in self.buffers.buffers],
             }
-        return {
+        state = {
             "region": region,
             "format": OUTER_STATE_FORMAT,
             "step": self.step,
@@ -472,6 +516,9 @@ class OuterLoop:
                 for fl in sorted(self.flights.values(), key=lambda x: x.fragment)
             ],
         }
+        if self.elastic is not None:
+            state["elastic"] = self.elastic.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("format") != OUTER_STATE_FORMAT:
@@ -505,6 +552,8 @@ class OuterLoop:
             )
         if "region" in state and not self.topo.single_region:  # (absent in older states)
             self._load_region(state["region"])
+        if self.elastic is not None and state.get("elastic") is not None:
+            self.elastic.load_state_dict(state["elastic"])
         self._times, self._last = [], time.perf_counter()
 
     def _load_region(self, region: dict[str, Any] | None) -> None:
@@ -540,6 +589,10 @@ class OuterLoop:
         with torch.no_grad():
             for p, value in zip(self.params, params, strict=True):
                 p.copy_(value)
+            buffers = got[0].get("buffers")  # (absent in older states)
+            if buffers is not None and self.buffers is not None:
+                for b, value in zip(self.buffers.buffers, buffers, strict=True):
+                    b.copy_(value)
         self.optimizer.load_state_dict(got[0]["optimizer"])
 
     def settle(self) -> None:

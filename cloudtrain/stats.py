@@ -48,6 +48,10 @@ class CommStats:
     """With "auto": what the controller believes and decided last - each region's link
     estimate, the plan in force and the quality guard's measurements and ceilings
     (`Controller.snapshot`); filled by `CloudDDP.stats()`."""
+    elastic: dict[str, Any] | None = None
+    """In an elastic run: the regions present, membership changes, regions lost, joined and
+    refused, failed syncs, pauses, bytes and seconds spent moving state to joiners, the longest
+    sync (`cloudtrain.elastic.ElasticStats`); filled by `CloudDDP.stats()`."""
 
     def copy(self) -> CommStats:
         return copy.deepcopy(self)

@@ -1,0 +1,391 @@
+"""Regions that come and go: a region is the unit of failure of an outer-loop run.
+
+    model = CloudDDP(model, CompressionConfig(outer=..., elastic={"min_regions": 2}), optimizer=opt)
+    # every region launched on its own (its own torchrun), with CLOUDTRAIN_REGION and
+    # TORCHFT_LIGHTHOUSE=http://host:29510 (`cloudtrain lighthouse` runs one)
+
+Where each part lives:
+
+- cloudtrain.membership: torchft's Lighthouse decides who is present (the region's first rank
+  heartbeats and asks it for a quorum at every sync; a majority rule against split brain; the
+  pause below min_regions);
+- cloudtrain.quorum: `decide`, a pure function of a quorum that every rank of every region
+  computes alike - who is refused, who contributes, who joins and from whom;
+- cloudtrain.transfer: the live state transfer to a joiner, checked by sha256 and digest;
+- here: the sync over the regions present, redone until it commits.
+
+Per quorum each rank makes one gloo group of its own (`cross_group`) with its shard's owners in
+the present regions (rank = region index), on the TCP store of the first contributor (kept while the
+members are the same), and the outer loop's exchange runs on it unchanged (cloudtrain.datapath.CrossRegion over a `Topology`
+of the present regions). A joiner receives the state (outer copy, momentum, inner optimizer
+state, buffers, the step and the schedule) from its source region: rank j of the source sends
+chunk j to rank j of the joiner (k parallel flows, each 1/k of the bytes; zstd where it pays),
+the joiner's ranks gather the chunks inside their region, check the sha256 the source sent and
+the outer copy's digest the source announced in the quorum; its parameters become the outer
+copy, so its pseudo-gradient at this sync is exactly zero, and the mean divides by the
+contributors. After every sync whose membership changed, the present regions compare the outer
+copy's digest (`ReplicaMismatch` if it differs).
+
+A sync fails (a region died or stalled in it, or in making the groups or the transfer: a
+CommError within `exchange_timeout_s`): the region agrees on it inside itself, puts its
+error-feedback residual back as it was, and asks for a new quorum; the Lighthouse leaves the lost
+region out once its heartbeats stop. A region whose sync failed while the others' succeeded is
+one sync behind at the next quorum, and joins (heals) like a new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .bootstrap import control_group
+from .collectives import CommError, all_gather_single, collective_failure
+from .datapath import CrossRegion
+from .membership import ElasticStats, Membership
+from .plan import Plan
+from .quorum import ElasticRefused, RegionLeft, View, identity_of
+from .topology import AUTO_REGION, Topology
+from .transfer import StateTransfer, outer_digest
+
+__all__ = ["ElasticRefused", "ElasticRegion", "ElasticStats", "RegionLeft", "identity_of"]
+
+log = logging.getLogger("cloudtrain")
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
+def _check_launch(options: Any, topo: Topology) -> tuple[str, str]:
+    """The region's name and the Lighthouse's address; a launch that cannot be one region of an
+    elastic run raises, saying what to set."""
+    if not topo.single_region:
+        raise ValueError(
+            f"elastic: this launch has ranks in {len(topo.regions)} regions "
+            f"({topo.describe()}); launch each region on its own (its own torchrun or "
+            "horovodrun) - regions find each other through the Lighthouse"
+        )
+    region = topo.regions[0]
+    if region.startswith(AUTO_REGION):
+        raise ValueError(
+            "elastic: the region has no name; set CLOUDTRAIN_REGION (or regions=) on every "
+            "rank of the region"
+        )
+    address = options.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+    if not address:
+        raise ValueError(
+            f"elastic: no Lighthouse: set {LIGHTHOUSE_ENV}=http://host:port or "
+            "ElasticConfig(lighthouse=...) (`cloudtrain lighthouse` runs one)"
+        )
+    return region, address
+
+
+def cross_group(store: Any, rank: int, size: int, timeout: timedelta, ranks: Sequence[int]) -> Any:
+    """A gloo process group of `size` ranks on `store` (a PrefixStore per quorum and shard), made
+    outside torch.distributed's world - as torchft's own ProcessGroupGloo makes its groups - so
+    that it can be made and dropped with each quorum. Group rank i stands for rank `ranks[i]` of
+    the quorum's Topology: that translation is registered (`release_group` removes it), so the
+    exchange's point-to-point calls (`dst=` a Topology rank) work on it unchanged."""
+    pg = dist.ProcessGroup(store, rank, size)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    if torch.cuda.is_available():
+        pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
+    dist.distributed_c10d._world.pg_group_ranks[pg] = {r: i for i, r in enumerate(ranks)}
+    return pg
+
+
+def release_group(pg: Any) -> None:
+    """Forget a quorum's group (`cross_group`): its translation of ranks (its gloo pairs close
+    when it is collected)."""
+    if pg is None:
+        return
+    dist.distributed_c10d._world.pg_group_ranks.pop(pg, None)
+
+
+def view_topology(
+    view: View, local: int, per_region: int, region_group: Any, cross: Any
+) -> Topology:
+    """The present regions as a Topology (rank r*k + i is rank i of region r), whose groups are
+    this rank's region group and this quorum's cross group of its shard: what CrossRegion needs."""
+    names = tuple(m.region for m in view.members for _ in range(per_region))
+    topo = Topology(view.me * per_region + local, len(names), names)
+    topo.groups[f"region{view.me}"] = region_group
+    topo.groups[f"cross{local}"] = cross
+    return topo
+
+
+class ElasticRegion:
+    """This region's part in an elastic run (module docstring): one per CloudDDP, on every rank
+    of the region. The outer loop calls `sync(fragment)` at every sync step; CloudDDP calls
+    `join()` once, before the first step."""
+
+    def __init__(
+        self,
+        config: Any,
+        topo: Topology,
+        loop: Any,
+        module: torch.nn.Module,
+        set_step: Callable[[int], None],
+        identity: dict[str, str],
+    ) -> None:
+        self.options = config.elastic
+        region, address = _check_launch(self.options, topo)
+        self.config = config
+        self.loop, self.module, self.set_step = loop, module, set_step
+        self.region, self.local, self.k = region, topo.rank, topo.world_size
+        self.timeout = timedelta(seconds=self.options.exchange_timeout_s)
+        self.group = control_group(config.timeout_s)  # the region's own gloo group
+        self.commits = 0
+        self.stats = ElasticStats()
+        self.members = Membership(
+            self.options, address, region, {**identity, "ranks": str(self.k)}, self.local,
+            self.k, self.group, self.stats,
+        )  # fmt: skip
+        self.transfer = StateTransfer(
+            region, self.group, self.local, self.k, self.options.exchange_timeout_s, self.stats,
+            loop, module,
+        )  # fmt: skip
+        self._stores: dict[str, Any] = {}
+        self._received: dict[str, Any] | None = None
+        self._group: Any = None
+        """The last quorum's cross group (released when the next is made)."""
+        self._group_key = ""
+        """Its key while its last sync committed; "" once a sync on it failed."""
+        self.guard = None
+        if self.options.spot:
+            from .spot import PreemptionGuard, SpotWatcher
+
+            self.guard = PreemptionGuard(
+                SpotWatcher(interval_s=self.options.spot_poll_s).start(), process_group=self.group
+            )
+        log.info("cloudtrain elastic: region %s (%d ranks) joins via %s", region, self.k, address)
+
+    def close(self) -> None:
+        """Stop heartbeating: the Lighthouse leaves this region out after its heartbeat timeout."""
+        self.members.close()
+        if self.guard is not None and self.guard.watcher is not None:
+            self.guard.watcher.stop(0)
+
+    def _quorum(self, step: int, fragment: int) -> View:
+        """The next quorum's view (cloudtrain.membership), offering the cross groups for reuse
+        only where every rank of the region still holds them."""
+        if not self._agree(bool(self._group_key)):
+            self._group_key = ""
+        try:
+            return self.members.quorum(
+                step, fragment, self.commits, lambda: outer_digest(self.loop.global_),
+                self._group_key,
+            )  # fmt: skip
+        except ElasticRefused:
+            self.close()
+            raise
+
+    def join(self) -> None:
+        """Before the first step (all ranks of the region): take part in the next quorum; where
+        the run is ahead, receive its state and take part in its sync."""
+        t0 = time.perf_counter()
+        view = self._until_committed(-1, 0)
+        log.warning(
+            "cloudtrain elastic: region %s joined in %.1f s at step %s (regions %s)",
+            self.region, time.perf_counter() - t0, self.loop.step, list(view.regions),
+        )  # fmt: skip
+
+    def sync(self, fragment: int) -> None:
+        """Fragment `fragment`'s sync at the loop's current step, over the regions present (all
+        ranks of the region), redone with a new quorum until it commits; then, after a spot
+        notice, the region leaves (RegionLeft)."""
+        leaving = self.guard is not None and self.guard.should_stop()
+        t0 = time.perf_counter()
+        self._until_committed(self.loop.step, fragment)
+        took = time.perf_counter() - t0
+        self.stats.last_sync_s = took
+        self.stats.longest_sync_s = max(self.stats.longest_sync_s, took)
+        if leaving:
+            self.stats.left = True
+            self.close()
+            log.warning(
+                "cloudtrain elastic: region %s leaves after step %s (spot notice), its "
+                "pseudo-gradient handed over", self.region, self.loop.step,
+            )  # fmt: skip
+            raise RegionLeft(f"region {self.region} left the run after step {self.loop.step}")
+
+    def _until_committed(self, step: int, fragment: int) -> View:
+        """Quorums until one's sync commits. A region that took a state and then saw the sync
+        fail asks as a joiner again (it takes the state again: its pseudo-gradient must be 0)."""
+        joining = step < 0
+        while True:
+            view = self._quorum(-1 if joining else step, fragment)
+            done, loaded = self._attempt(view)
+            if done:
+                return view
+            joining = joining or loaded
+
+    def _attempt(self, view: View) -> tuple[bool, bool]:
+        """One try at a quorum's sync: groups, the state transfer, the exchange, agreed inside
+        the region. (committed, a state was loaded); not committed: ask again."""
+        loop = self.loop
+        changed = self.members.note(view)
+        ok, cross, why = True, None, ""
+        try:
+            cross = self._cross(view)
+        except CommError as e:
+            ok, why = False, str(e)
+        try:  # every rank of the region takes part, whatever failed before (it agrees after)
+            if view.me in view.joiners:
+                self._received = self.transfer.receive(view, cross)
+            elif any(s == view.me for s in view.sources.values()):
+                self.transfer.send(view, cross, self.commits)
+        except CommError as e:
+            ok, why = False, why or str(e)
+        if not self._agree(ok):
+            return self._failed(view, why or "another rank of the region failed"), False
+        loaded = view.me in view.joiners
+        if loaded:
+            state, self._received = self._received, None
+            self.commits = self.transfer.load(view, state, self.set_step)
+            changed = True
+        if view.step < 0:  # all were starting: nobody syncs
+            return self._committed(view, cross, changed, None), loaded
+        fragment = view.fragment
+        ef = loop.ef
+        ef_key = (fragment, self.local)
+        saved = None if ef is None else ef.residuals.get(ef_key)
+        saved = None if saved is None else saved.clone()
+        topo = view_topology(view, self.local, self.k, self.group, cross)
+        path = CrossRegion(self.config, topo, loop.codecs, ef, loop.stats)
+        path.timeout = self.timeout  # a region lost in the exchange is noticed within this
+        rung = loop.schedule.rungs[0]
+        regions = len(view.members)
+        plan = Plan((rung,) * regions, zstd=(self.config.zstd is not False,) * regions)
+        local = loop.parts.local(fragment)
+        delta = loop.global_[fragment].float() - local
+        failures: list[BaseException] = []
+        mean = loop._exchange(
+            fragment, delta, loop.step, path=path, plan=plan,
+            divisor=len(view.contributors), failures=failures,
+        )  # fmt: skip
+        if not self._agree(not failures):
+            if ef is not None:  # the packet never counted: its residual as it was
+                ef.take(ef_key)
+                if saved is not None:
+                    ef.put(ef_key, saved)
+            why = str(failures[0]) if failures else "another rank of the region failed"
+            return self._failed(view, why), loaded
+        loop._apply(fragment, mean, local, local)
+        if fragment == 0 and loop.buffers is not None:
+            self._reconcile_buffers(view, cross)
+        return self._committed(view, cross, changed, fragment), loaded
+
+    def _reconcile_buffers(self, view: View, cross: Any) -> None:
+        """The present regions' buffers made one (cloudtrain.buffers): this rank's with its
+        counterparts', then the region's first rank's inside the region. Not fatal: a region
+        lost here is noticed at the next sync, and the buffers differ until then."""
+        try:
+            self.loop.buffers.across_regions(cross, self.timeout, f" at step {view.step}")
+        except CommError as e:
+            log.warning("cloudtrain elastic: buffers not reconciled at step %s: %s", view.step, e)
+            self._group_key = ""
+        self.loop.buffers.in_region()
+
+    def _committed(self, view: View, cross: Any, changed: bool, fragment: int | None) -> bool:
+        """A sync done: counted, and checked across regions where membership changed."""
+        self._group_key = view.key if cross is not None else ""
+        if fragment is not None:
+            self.commits += 1
+        self.stats.syncs += 1
+        self.members.last = view.regions
+        if changed and len(view.members) > 1:
+            self._verify(view, cross)
+        return True
+
+    def _failed(self, view: View, why: str) -> bool:
+        self.stats.failed_syncs += 1
+        self._group_key = ""  # a group a collective failed on is not used again
+        log.warning(
+            "cloudtrain elastic: region %s: sync at step %s with regions %s failed, asking for a "
+            "new quorum: %s", self.region, view.step, list(view.regions), why.splitlines()[0],
+        )  # fmt: skip
+        return False
+
+    def _agree(self, ok: bool) -> bool:
+        """True on every rank of the region if it is True on all (the region's gloo group)."""
+        if self.k == 1:
+            return ok
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def _cross(self, view: View) -> Any:
+        """This quorum's group of this rank's shard owners (None alone)."""
+        if len(view.members) == 1:
+            return None
+        if view.key == self._group_key and self._group is not None:
+            return self._group
+        self._group_key = ""
+        address = view.store
+        t0 = time.perf_counter()
+        try:
+            store = self._stores.get(address)
+            if store is None:
+                host, port = address.rsplit(":", 1)
+                store = dist.TCPStore(
+                    host, int(port), is_master=False, wait_for_workers=False, timeout=self.timeout
+                )
+                self._stores[address] = store
+            prefixed = dist.PrefixStore(f"{view.key}/cross{self.local}", store)
+            ranks = [r * self.k + self.local for r in range(len(view.members))]
+            release_group(self._group)
+            self._group = None
+            self._group = cross_group(prefixed, view.me, len(view.members), self.timeout, ranks)
+            return self._group
+        except Exception as e:
+            raise CommError(
+                collective_failure(
+                    f"making the cross-region group on {address}",
+                    view.regions,
+                    self.local,
+                    f" at step {view.step}",
+                    time.perf_counter() - t0,
+                    e,
+                    timeout_s=self.options.exchange_timeout_s,
+                    knob="elastic.exchange_timeout_s",
+                )
+            ) from e
+
+    def _verify(self, view: View, cross: Any) -> None:
+        """After a change of membership: every present region holds the same outer copy."""
+        from .hook import ReplicaMismatch
+
+        mine = torch.tensor([outer_digest(self.loop.global_)], dtype=torch.int64)
+        out = torch.zeros(len(view.members), dtype=torch.int64)
+        t0 = time.perf_counter()
+        try:
+            self.transfer.wait(lambda: [all_gather_single(out, mine, group=cross, async_op=True)], view,
+                       "the outer copy's check", t0)  # fmt: skip
+        except CommError as e:
+            log.warning("cloudtrain elastic: outer copy check not done: %s", e)
+            self._group_key = ""
+            return
+        if len(set(out.tolist())) != 1:
+            raise ReplicaMismatch(
+                f"cloudtrain elastic: after step {view.step} the regions' outer copies differ: "
+                + ", ".join(
+                    f"{m.region} {d:#x}" for m, d in zip(view.members, out.tolist(), strict=True)
+                )
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"commits": self.commits}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.commits = int(state.get("commits", 0))
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.stats.snapshot()

@@ -1,0 +1,173 @@
+"""Who takes part in an elastic run's sync, decided alike on every rank (cloudtrain.elastic).
+
+torchft's Lighthouse gives a quorum: the regions asking at a sync, each with what it announced
+(`Member`). `decide` is a pure function of it, so every rank of every region computes the same
+`View` with no further message:
+
+- who is refused (another model, config, release or region size than the run's; a second
+  process claiming a region that is present),
+- who contributes to this sync (the regions at the sync with the most syncs committed) and who
+  joins (every other: a new or restarted region, or one whose last sync failed),
+- from which contributor each joiner takes the state,
+- which cross-region groups the sync runs on (reused where every member holds the same ones).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .topology import AUTO_REGION
+
+
+class RegionLeft(Exception):
+    """This region left the run after a sync (a spot notice): its pseudo-gradient was handed over.
+    Raised from `optimizer.step()` on every rank of the region; save and exit 0."""
+
+
+class ElasticRefused(RuntimeError):
+    """This region may not join the run (another model, config or release; a region name that
+    is present already). The others go on without it."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One region of a quorum, as it announced itself (its QuorumMember's data)."""
+
+    replica_id: str
+    region: str
+    identity: tuple[tuple[str, str], ...]
+    """What must be the same in every region: release, config, model, ranks per region."""
+    commits: int
+    """Syncs this region has committed."""
+    step: int
+    """The inner step of the sync it asks for; -1: it is joining (at its start)."""
+    fragment: int
+    digest: int
+    """CRC of its outer copy when it asked."""
+    store: str
+    """host:port of its TCP store, for the groups of a quorum it leads."""
+    group: str = ""
+    """The key of the cross groups it holds and whose last sync committed ("": none)."""
+
+    @classmethod
+    def of(cls, member: Any) -> Member:
+        data = member.data or {}
+        return cls(
+            replica_id=member.replica_id,
+            region=str(data.get("region", "")),
+            identity=tuple(
+                sorted((str(k), str(v)) for k, v in (data.get("identity") or {}).items())
+            ),
+            commits=int(data.get("commits", member.step)),
+            step=int(data.get("step", -1)),
+            fragment=int(data.get("fragment", 0)),
+            digest=int(data.get("digest", 0)),
+            store=member.store_address,
+            group=str(data.get("group", "")),
+        )
+
+    @property
+    def rank_key(self) -> tuple[int, int]:
+        return (self.commits, self.step)
+
+
+@dataclass(frozen=True)
+class View:
+    """What one quorum means for this sync (`decide`)."""
+
+    quorum_id: int
+    key: str
+    """Names this quorum's cross groups: the one every member holds (they are reused: making
+    gloo groups across the WAN costs round trips), else a new one for this quorum."""
+    members: tuple[Member, ...]
+    """The regions taking part, by region name (a member's index is its region index)."""
+    contributors: tuple[int, ...]
+    """Members whose pseudo-gradients this sync averages."""
+    joiners: tuple[int, ...]
+    """Members that receive the state from a contributor first (their pseudo-gradient is 0)."""
+    sources: dict[int, int]
+    """Joiner -> the contributor it receives the state from."""
+    refused: tuple[tuple[str, str], ...]
+    """(replica id, why) of the participants left out."""
+    step: int
+    """The inner step of this sync; -1 when no member is at a sync (all are starting)."""
+    fragment: int
+    me: int
+    """This region's index, or -1 when it was refused."""
+
+    @property
+    def regions(self) -> tuple[str, ...]:
+        return tuple(m.region for m in self.members)
+
+    @property
+    def store(self) -> str:
+        return self.members[self.contributors[0]].store
+
+
+def _differs(mine: tuple, run: tuple) -> str:
+    a, b = dict(mine), dict(run)
+    names = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return ", ".join(f"{k} {a.get(k)!r} (the run's: {b.get(k)!r})" for k in names)
+
+
+def decide(participants: Sequence[Member], quorum_id: int, key: str, me: str) -> View:
+    """The view of a quorum (module docstring); the same on every rank that has the quorum.
+
+    The run is what the most advanced participant (most syncs committed, then the latest sync
+    step) runs, ties to the identity most of them share, then to the smallest region name; a
+    participant of another identity is refused. Of two claiming one region, the more advanced
+    stays (ties: the smaller replica id). If some members are at a sync, the contributors are
+    those of them with the most syncs committed; else (all are starting) those equal to the most
+    advanced (syncs and outer copy). Everyone else joins, each from a contributor in turn. The
+    cross groups are reused where every member holds the same ones (`key` otherwise)."""
+    if not participants:
+        raise ValueError("decide: a quorum has at least one participant")
+    top = max(p.rank_key for p in participants)
+    tops = [p for p in participants if p.rank_key == top]
+    counts: dict[tuple, int] = {}
+    for p in tops:
+        counts[p.identity] = counts.get(p.identity, 0) + 1
+    run = min(counts, key=lambda i: (-counts[i], min(p.region for p in tops if p.identity == i)))
+    refused: list[tuple[str, str]] = []
+    by_region: dict[str, Member] = {}
+    for p in sorted(participants, key=lambda p: (tuple(-x for x in p.rank_key), p.replica_id)):
+        if p.identity != run:
+            refused.append((p.replica_id, f"it differs from the run: {_differs(p.identity, run)}"))
+        elif not p.region or p.region.startswith(AUTO_REGION):
+            refused.append((p.replica_id, "it has no region name: set CLOUDTRAIN_REGION"))
+        elif p.region in by_region:
+            refused.append((p.replica_id, f"region {p.region!r} is in the run already"))
+        else:
+            by_region[p.region] = p
+    members = tuple(by_region[r] for r in sorted(by_region))
+    held = {m.group for m in members}
+    if len(held) == 1 and "" not in held:
+        key = held.pop()
+    syncing = [i for i, m in enumerate(members) if m.step >= 0]
+    if syncing:
+        best = max(members[i].rank_key for i in syncing)
+        contributors = tuple(i for i in syncing if members[i].rank_key == best)
+        step, fragment = best[1], members[contributors[0]].fragment
+    else:
+        lead = max(range(len(members)), key=lambda i: (members[i].commits, -i))
+        ref = members[lead]
+        contributors = tuple(
+            i for i, m in enumerate(members) if (m.commits, m.digest) == (ref.commits, ref.digest)
+        )
+        step, fragment = -1, 0
+    joiners = tuple(i for i in range(len(members)) if i not in contributors)
+    sources = {j: contributors[n % len(contributors)] for n, j in enumerate(joiners)}
+    index = next((i for i, m in enumerate(members) if m.replica_id == me), -1)
+    return View(
+        quorum_id, key, members, contributors, joiners, sources, tuple(refused), step,
+        fragment, index,
+    )  # fmt: skip
+
+
+def identity_of(description: dict[str, Any]) -> dict[str, str]:
+    """A region's identity (release, config, model) as short strings for the quorum's data."""
+    model = hashlib.sha256(repr(description["model"]).encode()).hexdigest()[:16]
+    return {"version": str(description["version"]), "config": description["config"], "model": model}

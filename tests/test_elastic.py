@@ -1,0 +1,254 @@
+"""Regions that come and go (cloudtrain.elastic): the quorum decision, and real runs.
+
+The runs launch every region on its own (its own processes and torch.distributed world) with
+`cloudtrain.tools.chaos`'s worker against a real torchft Lighthouse; faults are SIGKILLs of
+every process of a region, a spot notice comes from a fake metadata server (tests/test_spot.py).
+Every process and network namespace started is removed again (Cluster.stop, netem teardown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from cloudtrain.quorum import Member, decide
+from cloudtrain.tools import chaos
+from tests.distributed import free_port
+from tests.test_netem import needs_root
+from tests.test_spot import NOTICE, _serve_imds
+
+IDENTITY = (("config", "c"), ("model", "m"), ("ranks", "2"), ("version", "1"))
+HEARTBEAT_S = 1.5
+"""The Lighthouse's heartbeat timeout in these runs: a lost region is noticed within it."""
+
+
+def member(region: str, commits: int = 3, step: int = 30, identity=IDENTITY, rid=None) -> Member:
+    return Member(rid or f"{region}:x", region, identity, commits, step, 0, 7, f"{region}:1")
+
+
+# -- the quorum decision (pure) ---------------------------------------------------------------
+
+
+def test_decide_behind_region_joins_from_a_contributor() -> None:
+    view = decide([member("b"), member("a"), member("c", commits=1, step=-1)], 5, "k", "c:x")
+    assert view.regions == ("a", "b", "c")
+    assert view.contributors == (0, 1) and view.joiners == (2,) and view.sources == {2: 0}
+    assert view.step == 30 and view.me == 2 and not view.refused
+
+
+def test_decide_refuses_another_model_and_a_second_claim_on_a_region() -> None:
+    other = (("config", "c"), ("model", "OTHER"), ("ranks", "2"), ("version", "1"))
+    view = decide(
+        [member("a"), member("b"), member("z", identity=other), member("a", 1, -1, rid="a:y")],
+        1, "k", "z:x",
+    )  # fmt: skip
+    why = dict(view.refused)
+    assert view.me == -1 and view.regions == ("a", "b")
+    assert "model 'OTHER' (the run's: 'm')" in why["z:x"]
+    assert "region 'a' is in the run already" in why["a:y"]
+
+
+def test_decide_all_starting_contribute_when_equal() -> None:
+    view = decide([member("a", 0, -1), member("b", 0, -1)], 1, "k", "a:x")
+    assert view.step == -1 and view.contributors == (0, 1) and view.joiners == ()
+
+
+def test_decide_reuses_the_cross_groups_only_where_every_member_holds_them() -> None:
+    a, b = member("a"), member("b")
+    held = [dataclasses.replace(m, group="g/1") for m in (a, b)]
+    assert decide(held, 2, "fresh", "a:x").key == "g/1"
+    assert decide([held[0], b], 2, "fresh", "a:x").key == "fresh"
+    assert decide([*held, member("c", 1, -1)], 2, "fresh", "a:x").key == "fresh"
+
+
+def test_decide_is_the_same_whatever_the_order() -> None:
+    ps = [member("a"), member("b", 2, 20), member("c", 3, 30), member("d", 0, -1)]
+    views = set()
+    for seed in range(6):
+        random.Random(seed).shuffle(ps)
+        v = decide(ps, 1, "k", "a:x")
+        views.add((v.regions, v.contributors, v.joiners, tuple(sorted(v.sources.items()))))
+    assert len(views) == 1
+
+
+def test_elastic_config_says_what_it_needs() -> None:
+    from cloudtrain import CompressionConfig
+    from cloudtrain.config import OuterConfig
+
+    with pytest.raises(ValueError, match="needs the outer loop"):
+        CompressionConfig(elastic=True)
+    with pytest.raises(ValueError, match="outer.sync_every or outer.codec 'auto'"):
+        CompressionConfig(outer=OuterConfig(), elastic=True)
+    with pytest.raises(ValueError, match="unknown elastic options"):
+        CompressionConfig(
+            outer=OuterConfig(sync_every=10, codec="quant", level=8), elastic={"x": 1}
+        )
+    fixed = OuterConfig(sync_every=10, codec="quant", level=8)
+    a = CompressionConfig(outer=fixed, elastic={"lighthouse": "http://a:1"})
+    b = CompressionConfig(outer=fixed, elastic={"lighthouse": "http://b:2"})
+    assert a.fingerprint() == b.fingerprint()  # regions may reach the Lighthouse by other names
+    assert (
+        a.fingerprint() != CompressionConfig(outer=fixed, elastic={"min_regions": 2}).fingerprint()
+    )
+
+
+# -- real runs --------------------------------------------------------------------------------
+
+
+def worker_args(steps: int, pace: float, **extra: object) -> list[str]:
+    args = {
+        "steps": steps, "sync-every": 10, "codec": "quant", "level": 8, "min-regions": 1,
+        "start-regions": 2, "hidden": 64, "batch": 64, "lr": 0.05, "seed": 0,
+        "exchange-timeout": 10, "quorum-timeout": 20, "pace": pace, **extra,
+    }  # fmt: skip
+    out = []
+    for k, v in args.items():
+        out += [f"--{k}"] if v is True else [f"--{k}", str(v)]
+    return out
+
+
+@contextmanager
+def cluster_on(net, regions, args, tmp_path, min_regions=1) -> Iterator[chaos.Cluster]:
+    ports = [free_port() for _ in range(len(regions) + 1)]
+    cluster = chaos.Cluster(net, regions, args, log_dir=str(tmp_path), ports=ports)
+    try:
+        cluster.start_lighthouse(min_regions, HEARTBEAT_S)
+        yield cluster
+    finally:
+        cluster.stop()
+        for run in cluster.history:
+            assert not run.alive()
+
+
+def wait_until(cond, timeout_s: float, what: str) -> None:
+    deadline = time.time() + timeout_s
+    while not cond():
+        if time.time() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.05)
+
+
+def logs(tmp_path, region: str) -> str:
+    return "".join(p.read_text() for p in sorted(tmp_path.glob(f"{region}-*-r0.log")))
+
+
+def first_sync_after_join_equal(cluster: chaos.Cluster, survivor: str, joiner) -> int:
+    """The joiner's first digest line (a sync step) equals the survivor's at the same step."""
+    line = next(ln for ln in joiner.lines if "digest" in ln)
+    theirs = next(
+        ln for run in cluster.history if run.name == survivor for ln in run.lines
+        if ln["step"] == line["step"] and "digest" in ln
+    )  # fmt: skip
+    assert line["digest"] == theirs["digest"], (line, theirs)
+    return line["step"]
+
+
+@needs_root
+@pytest.mark.timeout(240)
+def test_region_killed_survivors_go_on_and_it_rejoins_bit_identical(tmp_path) -> None:
+    """2 regions x 2 ranks at 200 Mbit/s, 80 ms: SIGKILL every process of r1 at step 30; r0
+    keeps its processes and goes on (its longest step: detection + one sync); r1 started again
+    with the same command heals from r0 and equals it from its first sync."""
+    from cloudtrain.tools.netem import Emulator, teardown
+
+    name = f"el{os.getpid() % 10000}-{uuid.uuid4().hex[:3]}"
+    try:
+        with (
+            Emulator({"r0": 2, "r1": 2, "lh": 1}, 200, rtt_ms=80, name=name) as wan,
+            cluster_on(wan, ["r0", "r1"], worker_args(300, 0.08), tmp_path) as cluster,
+        ):
+            r0, r1 = cluster.start("r0"), cluster.start("r1")
+            wait_until(lambda: r1.step >= 30, 120, "r1 at step 30")
+            r1.kill()
+            again = cluster.start("r1")
+            cluster.wait(180)
+            around = chaos.survivors_around(cluster, r1)["r0"]
+            print("elastic kill figures:", around)
+            sync = around["normal_sync_s"]
+            # noticed once its heartbeats stop, at r0's next sync (10 steps later at most)
+            assert around["detected_s"] is not None and around["detected_s"] <= HEARTBEAT_S + 3.0
+            assert around["longest_step_s"] <= HEARTBEAT_S + sync + 1.0, around
+            assert r0.procs[0].returncode == 0 and again.procs[0].returncode == 0
+            a, b = r0.result, again.result
+            assert a["steps"] == b["steps"] == 300 and a["digest"] == b["digest"]
+            assert a["elastic"]["lost"] == ["r1"] and "r1" in a["elastic"]["joined"]
+            assert b["elastic"]["recovery_bytes_received"] > 0
+            assert a["elastic"]["recovery_bytes_sent"] == b["elastic"]["recovery_bytes_received"]
+            first_sync_after_join_equal(cluster, "r0", again)
+    finally:
+        teardown(name)
+
+
+@pytest.mark.timeout(240)
+def test_spot_notice_leaves_at_a_sync_a_mismatched_joiner_is_refused(tmp_path) -> None:
+    """On loopback: r0 alone pauses (never trains alone, logged) until r1 is there; a joiner
+    with another model is refused, named, and never disturbs them; a spot notice in r1 makes it
+    leave at its next sync and r0 goes on without a stall beyond one normal sync."""
+    net = chaos.LocalNet({"r0": 2, "r1": 2, "bad": 1, "lh": 1})
+    with (
+        _serve_imds() as imds,
+        _serve_imds() as quiet,
+        cluster_on(
+            net,
+            ["r0", "r1", "bad"],
+            worker_args(240, 0.1, spot=True, **{"spot-poll": 0.2}),
+            tmp_path,
+        ) as cluster,
+    ):
+        r0 = cluster.start("r0", {"CLOUDTRAIN_IMDS_ENDPOINT": quiet.url})
+        wait_until(lambda: "pauses" in logs(tmp_path, "r0"), 90, "r0 logs a pause")
+        time.sleep(2)
+        assert r0.step == 0 and not r0.lines, "r0 trained alone"
+        r1 = cluster.start("r1", {"CLOUDTRAIN_IMDS_ENDPOINT": imds.url})
+        wait_until(lambda: r1.step >= 20, 120, "r1 at step 20")
+        bad = cluster.start("bad", {"CLOUDTRAIN_IMDS_ENDPOINT": quiet.url}, ["--hidden", "32"])
+        wait_until(lambda: bad.result is not None, 60, "the mismatched joiner refused")
+        assert bad.procs[0].wait(30) == 3
+        why = bad.result["refused"]
+        assert (
+            "region bad refused" in why and "model" in why and "ranks '1' (the run's: '2')" in why
+        )
+        noticed = time.time()
+        imds.notice = NOTICE
+        cluster.wait(180)
+        assert r1.result["left"] and r1.result["steps"] < 240
+        a = r0.result
+        assert a["steps"] == 240 and not a["left"] and a["elastic"]["failed_syncs"] == 0
+        assert any("differs from the run" in w for w in a["elastic"]["refused"])
+        before = [ln["dt"] for ln in r0.lines if ln["t"] < noticed]
+        sync = sorted(before)[-len(before) // 10]  # a sync step: the slowest tenth
+        after = [ln["dt"] for ln in r0.lines if ln["t"] > noticed]
+        assert max(after) <= 2 * sync + 0.5, (max(after), sync)
+        assert "leaves after step" in logs(tmp_path, "r1")
+        assert "resumes" in logs(tmp_path, "r0")
+
+
+@pytest.mark.timeout(240)
+def test_chaos_random_kills_and_restarts_end_with_equal_replicas(tmp_path) -> None:
+    """3 regions of one rank on loopback, 5 random kills and restarts of whole regions (never
+    fewer than one region that has trained alive); once all are back the harness ends the run 3
+    syncs later: every region finishes within the bound, at the same step, with the same
+    parameters."""
+    parser = argparse.ArgumentParser()
+    chaos.configure(parser)
+    args = parser.parse_args(
+        ["--scenario", "chaos", "--local", "--regions", "3", "--ranks", "1", "--events", "5",
+         "--min-gap", "1.5", "--max-gap", "3", "--steps", "5000", "--pace", "0.04",
+         "--heartbeat", str(HEARTBEAT_S), "--timeout", "150", "--logs", str(tmp_path),
+         "--seed", "3"]
+    )  # fmt: skip
+    report = chaos.run_scenario(args)
+    print("chaos:", report["events"], report["around_kills"])
+    kinds = [kind for kind, *_ in report["events"]]
+    assert len(kinds) >= 5 and "kill" in kinds and "start" in kinds, kinds
+    assert report["replicas_equal"], report["results"]
+    steps = {r["steps"] for r in report["results"].values()}
+    assert len(steps) == 1 and steps.pop() < 5000, report["results"]  # ended at the stop step
