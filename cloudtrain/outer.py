@@ -192,9 +192,17 @@ class Fragments:
     size: each fragment's pieces (parameter index, start in it, length), read and written as one
     float32 vector."""
 
-    def __init__(self, params: Sequence[torch.Tensor], count: int) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        count: int,
+        view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """`view(p)`: the tensor of `p` that is read and written (default `p` itself; for a sharded
+        parameter, its local shard - looked up at every use, as FSDP may replace it)."""
         self.params, self.count = list(params), count
-        self.numel = sum(p.numel() for p in self.params)
+        self._view = view or (lambda p: p)
+        self.numel = sum(self._view(p).numel() for p in self.params)
         bounds = [f * self.numel // count for f in range(count + 1)]
         self.pieces = [self._pieces(bounds[f], bounds[f + 1]) for f in range(count)]
 
@@ -202,22 +210,27 @@ class Fragments:
         """(parameter index, start in it, length) covering elements [lo, hi)."""
         out, offset = [], 0
         for i, p in enumerate(self.params):
-            start, end = max(lo, offset), min(hi, offset + p.numel())
+            numel = self._view(p).numel()
+            start, end = max(lo, offset), min(hi, offset + numel)
             if start < end:
                 out.append((i, start - offset, end - start))
-            offset += p.numel()
+            offset += numel
         return out
 
     def local(self, f: int) -> torch.Tensor:
         """Fragment f of the local parameters, float32."""
+        views = [self._view(self.params[i]).detach() for i, _, _ in self.pieces[f]]
         return torch.cat(
-            [self.params[i].detach().reshape(-1)[s : s + n].float() for i, s, n in self.pieces[f]]
+            [
+                v.reshape(-1)[s : s + n].float()
+                for v, (_, s, n) in zip(views, self.pieces[f], strict=True)
+            ]
         )
 
     def write(self, f: int, values: torch.Tensor) -> None:
         at = 0
         for i, s, n in self.pieces[f]:
-            self.params[i].detach().view(-1)[s : s + n].copy_(values[at : at + n])
+            self._view(self.params[i]).detach().view(-1)[s : s + n].copy_(values[at : at + n])
             at += n
 
 
@@ -237,6 +250,11 @@ def outer_step(
         buf = momentum.float()
         update = mean.add(buf, alpha=outer.outer_momentum) if outer.nesterov else buf
     return copy.float().sub_(update, alpha=outer.outer_lr).to(outer.torch_dtype), momentum
+
+
+def _local_shard(p: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) parameter's local shard."""
+    return p.to_local()
 
 
 def check_optimizer(optimizer: Any, params: Sequence[torch.Tensor]) -> None:
@@ -267,9 +285,15 @@ class OuterLoop:
         optimizer: torch.optim.Optimizer,
         stats: CommStats,
         steps: Callable[[], int],
+        *,
+        sharded: bool = False,
     ) -> None:
         """`steps()`: the gradient syncs done so far (the hook's step count) - the clock of the
-        schedule, the same on every rank even where an optimizer step was skipped."""
+        schedule, the same on every rank even where an optimizer step was skipped. `sharded`:
+        the parameters are FSDP's (cloudtrain.sharded), each rank holding its own shard of them:
+        the outer copy, momentum and residuals are of that shard only, and a rank exchanges its
+        whole shard with the same shard's owners in the other regions (nothing is cut or
+        gathered inside the region)."""
         outer = config.outer
         if not isinstance(outer, OuterConfig):
             raise ValueError("OuterLoop needs a CompressionConfig with outer=OuterConfig(...)")
@@ -277,16 +301,24 @@ class OuterLoop:
         self.params = [p for p in params if p.requires_grad]
         check_optimizer(optimizer, self.params)
         self.optimizer = optimizer
-        self.parts = Fragments(self.params, outer.fragments)
+        self.sharded = sharded
+        self.parts = Fragments(self.params, outer.fragments, _local_shard if sharded else None)
         self.numel, self.fragments = self.parts.numel, outer.fragments
-        if self.numel < self.fragments * topo.shards:
+        self.cut = 1 if sharded else topo.shards
+        """Pieces a region's pseudo-gradient is cut into, one per shard owner (1: each rank
+        already holds its own shard)."""
+        if self.numel < self.fragments * self.cut:
             raise ValueError(
                 f"outer.fragments={self.fragments}: the model's {self.numel} parameters cannot be "
-                f"cut into {self.fragments} fragments of {topo.shards} shard(s) each; use fewer"
+                f"cut into {self.fragments} fragments of {self.cut} shard(s) each; use fewer"
             )
         dtype = outer.torch_dtype
+        # host_copy: the outer state in host memory (INTELLECT-1); a sync moves one fragment
+        self.home = torch.device("cpu") if outer.host_copy else None
         with torch.no_grad():
-            self.global_ = [self.parts.local(f).to(dtype) for f in range(self.fragments)]
+            self.global_ = [
+                self.parts.local(f).to(device=self.home, dtype=dtype) for f in range(self.fragments)
+            ]
         self.momentum: list[torch.Tensor | None] = [None] * self.fragments
         self.ef = ErrorFeedback(dtype) if outer.error_feedback else None
         self.stats = stats
@@ -361,16 +393,20 @@ class OuterLoop:
             links = self.links or [LinkEstimate(1e12, 0.0)] * len(self.topo.regions)
             ladder = OUTER_LADDER if outer.codec == AUTO else ((outer.codec, outer.level),)
             choice[0] = choose_schedule(
-                self.numel, links, self.topo.shards, step_s, self.fragments, outer.overlap,
+                self.numel, links, self.cut, step_s, self.fragments, outer.overlap,
                 self.codecs.wire_nbytes, outer.sync_every, ladder,
             )  # fmt: skip
             log.info("cloudtrain outer loop: %s", choice[0].describe(step_s, links))
         dist.broadcast_object_list(choice, src=0, group=self.topo.group("control"))
         self.schedule = choice[0]
 
+    def _delta(self, f: int, local: torch.Tensor) -> torch.Tensor:
+        """Fragment f's pseudo-gradient, where the outer copy lives."""
+        return self.global_[f].float() - local.to(self.global_[f].device)
+
     def _sync(self, f: int) -> None:
         local = self.parts.local(f)
-        delta = self.global_[f].float() - local
+        delta = self._delta(f, local)
         step = self.step
         if self.outer.overlap == 0:
             self._apply(f, self._exchange(f, delta, step), local, local)
@@ -393,16 +429,20 @@ class OuterLoop:
         where = f" at outer step {step}, fragment {f}"
         device = delta.device
         delta = delta.cpu()  # the groups are gloo's (Topology.private)
+        # zstd unless the config says no: once per H steps, behind the inner steps, its CPU is
+        # small and the bytes it saves are what the outer loop is for
+        plan = Plan(self.schedule.rungs, zstd=(self.config.zstd is not False,) * regions)
+        if self.sharded:  # this rank's shard is the region's: swapped whole, nothing to gather
+            if delta.numel() == 0:  # (a shard FSDP left empty: empty on every region alike)
+                return delta.to(device)
+            summed = self.path.collect(self.path.issue(delta, plan, step, f, where, delta.numel()))
+            return (summed / regions).to(device)
         padded, n, m = pad_to_shards(delta, topo.shards)
         mine = None
         if topo.shard is not None:
             mine = padded[topo.shard * m : (topo.shard + 1) * m].contiguous()
         summed = None
         if mine is not None:
-            # zstd unless the config says no: once per H steps, behind the inner steps, its CPU
-            # is small and the bytes it saves are what the outer loop is for
-            zstd = (self.config.zstd is not False,) * regions
-            plan = Plan(self.schedule.rungs, zstd=zstd)
             summed = self.path.exchange(mine, plan, step, f, n, where)
         self.path.gather_in_region(Shard(padded, n, m, mine), summed, where)
         return (padded[:n] / regions).to(device)
@@ -415,7 +455,7 @@ class OuterLoop:
         self.global_[f], self.momentum[f] = outer_step(
             self.outer, self.global_[f], self.momentum[f], mean
         )
-        new = self.global_[f].float()
+        new = self.global_[f].float().to(local_now.device)
         if local_now is not local_at_send:
             new = new + (local_now - local_at_send)
         self.parts.write(f, new)
@@ -432,9 +472,7 @@ class OuterLoop:
             self._decide()
         for f in range(self.fragments):
             local = self.parts.local(f)
-            self._apply(
-                f, self._exchange(f, self.global_[f].float() - local, self.step), local, local
-            )
+            self._apply(f, self._exchange(f, self._delta(f, local), self.step), local, local)
 
     def _wait(self) -> None:
         for flight in self.flights.values():
@@ -447,8 +485,8 @@ class OuterLoop:
         between syncs, and a checkpoint's one copy of the model and optimizer is one region's."""
         self.catch_up()
         self._wait()
-        region = None
-        if self.topo.local_index == 0 and not self.topo.single_region:
+        region = None  # sharded: every region saves its own shards (cloudtrain.checkpoint)
+        if self.topo.local_index == 0 and not self.topo.single_region and not self.sharded:
             region = {
                 "params": [p.detach().cpu().clone() for p in self.params],
                 "optimizer": _cpu_copy(self.optimizer.state_dict()),
@@ -485,7 +523,7 @@ class OuterLoop:
                 "resume with the same outer.fragments"
             )
         self._wait()
-        device = self.global_[0].device
+        device = self.global_[0].device  # the outer copy's home (host memory with host_copy)
         self.step = int(state["step"])
         sched = state["schedule"]
         self.schedule = None if sched is None else Schedule.from_state(sched)
@@ -500,10 +538,11 @@ class OuterLoop:
         for fl in state["flights"]:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(fl["mean"].to(device))
+            at_send = fl["local_at_send"].to(self.params[0].device)
             self.flights[fl["fragment"]] = _FragmentSync(
-                fl["fragment"], fl["sent"], fl["merge"], fl["local_at_send"].to(device), done
+                fl["fragment"], fl["sent"], fl["merge"], at_send, done
             )
-        if "region" in state and not self.topo.single_region:  # (absent in older states)
+        if "region" in state and not self.topo.single_region and not self.sharded:
             self._load_region(state["region"])
         self._times, self._last = [], time.perf_counter()
 
