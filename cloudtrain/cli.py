@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "local WAN emulator: a namespace per rank, tbf-shaped regions",
     ),
     "probe": ("cloudtrain.tools.probe", "measure bandwidth and latency between all ranks"),
+    "plan": (
+        "cloudtrain.tools.plan",
+        "step time, traffic, dollars and memory of each mode, before provisioning",
+    ),
     "bench": (
         "cloudtrain.tools.bench",
         "DDP, fp16, PowerSGD and CloudDDP side by side over an emulated WAN",

@@ -435,6 +435,10 @@ class CompressionConfig:
             config = AUTO
         if isinstance(config, CompressionConfig):
             return dataclasses.replace(config, **overrides) if overrides else config
+        if isinstance(config, str) and config.endswith(
+            ".json"
+        ):  # e.g. what `cloudtrain plan --emit` wrote
+            return cls.from_dict({**cls._read_json(config), **overrides})
         if not isinstance(config, str):
             raise TypeError(
                 f"config: a CompressionConfig, a preset name or a codec spec, got {type(config).__name__}"
@@ -449,6 +453,43 @@ class CompressionConfig:
             ) from None
         names = ">".join(stage.split(":")[0].strip() for stage in config.split(">"))
         return cls(**{"codec": names, "level": level, **overrides})
+
+    @staticmethod
+    def _read_json(path: str) -> dict[str, Any]:
+        try:
+            with open(path) as f:
+                fields = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"config file {path}: {e}") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"config file {path}: a JSON object of CompressionConfig fields")
+        return fields
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> CompressionConfig:
+        """A config from its fields as plain values (to_dict's form, e.g. read from JSON):
+        unknown fields are an error, lists become the tuples the fields hold."""
+        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(
+                f"unknown CompressionConfig fields {sorted(unknown)}; known: "
+                f"{sorted(f.name for f in dataclasses.fields(cls))}"
+            )
+        fields = dict(fields)
+        if isinstance(fields.get("level"), list):
+            fields["level"] = tuple(fields["level"])
+        if isinstance(fields.get("regions"), list):
+            fields["regions"] = tuple(fields["regions"])
+        return cls(**fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain values (JSON-able): from_dict gives the same config back."""
+        out = dataclasses.asdict(self)
+        out["controller"] = {
+            k: v for k, v in out["controller"].items()
+            if v != getattr(ControllerOptions(), k)
+        }  # fmt: skip
+        return json.loads(json.dumps(out))
 
     def make_codec(self, name: str | None = None) -> Codec:
         """The config's codec, or codec `name` with the config's parameters. CloudDDP checks

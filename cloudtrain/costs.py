@@ -12,7 +12,8 @@ Per sender region (Kimad's rule, budget = bandwidth x time), with latency before
     transfer of a rung                  bytes / bandwidth + its encode/decode CPU time
                                         + (every rung through the hierarchy) the dense reduction
                                         inside regions
-    time a rung takes                   synchronous: a round trip per bucket + transfer;
+    time a rung takes                   synchronous: a round trip + transfer (a step's
+                                        exchanges are in flight together);
                                         pipelined s steps deep: a round trip + transfer
                                         - s x compute, but never less than the transfer
                                         - (1 - hidden_fraction) x compute (bandwidth is not
@@ -78,15 +79,15 @@ def _default_codecs() -> Codecs:
 
 
 def exchange_seconds(
-    transfer: float, rtt: float, buckets: int, compute_time: float, staleness: int, hidden: float
+    transfer: float, rtt: float, compute_time: float, staleness: int, hidden: float
 ) -> float:
     """Seconds of a step's exchange that count against the time it may take hidden (`hidden` x
     compute): the latency model behind plan_levels.
 
-    Synchronous (staleness 0), the communication thread waits for every bucket's exchange in
-    turn: a round trip per bucket, plus the transfer. Pipelined, all of a step's exchanges
-    are in flight at once and have s more steps of compute to arrive in: a round trip once,
-    less s x compute. Either way the link must carry each step's bytes within a step (a pipeline
+    Synchronous (staleness 0), a step's exchanges are all in flight before the first is waited
+    for (the hook finishes them at the step's last bucket): a round trip, plus the transfer.
+    Pipelined, they also have s more steps of compute to arrive in: a round trip, less s x
+    compute. Either way the link must carry each step's bytes within a step (a pipeline
     hides round trips, never bandwidth): transfer - (1 - hidden) x compute.
 
     A whole round trip, not half: gloo sends a message only once its receiver has posted the
@@ -94,7 +95,7 @@ def exchange_seconds(
     trip before the data moves.
     """
     if staleness == 0:
-        return buckets * rtt + transfer
+        return rtt + transfer
     latency = rtt + transfer - staleness * compute_time
     return max(latency, transfer - (1 - hidden) * compute_time)
 
@@ -196,7 +197,7 @@ class CostModel:
             cost += max(self.extra)  # "none" through the hierarchy pays the dense reduction too
         hidden = self.options.hidden_fraction
         return exchange_seconds(
-            size / link.bandwidth + cost, link.rtt, self.buckets, self.compute_time, depth, hidden
+            size / link.bandwidth + cost, link.rtt, self.compute_time, depth, hidden
         )
 
     def useful_depths(self, allowed: Sequence[int]) -> tuple[int, ...]:

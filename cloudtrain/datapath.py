@@ -7,7 +7,7 @@
                                                #    regions, check, decode and sum them
     path.gather_in_region(shard, summed)       # 4. dense all-gather of the summed shards
 
-(Step 1, scaling by 1/world as DDP does, is the hook's.) `reduce_bucket` chains them. Each step
+(Step 1, scaling by 1/world as DDP does, is the hook's.) `start` and `finish` chain them. Each step
 is its own method so a pipelined mode can start step 3 now and finish it steps later, and an
 outer loop (DiLoCo's pseudo-gradients) can call `exchange` on tensors that are no bucket at all.
 
@@ -175,14 +175,6 @@ class CrossRegion:
             self.observer.reset()  # stage times start again from zero
         if self.probe is not None and state.get("quality_probe") is not None:
             self.probe.load_state_dict(state["quality_probe"])
-
-    def reduce_bucket(
-        self, buf: torch.Tensor, plan: Plan, step: int, index: int, where: str
-    ) -> None:
-        """Steps 2-4 for bucket `index` (already scaled), in place."""
-        result = self.finish(self.start(buf, plan, step, index, where))
-        if result.data_ptr() != buf.data_ptr():
-            buf.copy_(result)
 
     def start(self, buf: torch.Tensor, plan: Plan, step: int, index: int, where: str) -> Exchange:
         """Steps 2 and 3's first half: reduce in the region, encode, issue the swap."""

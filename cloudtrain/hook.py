@@ -58,7 +58,7 @@ class ReplicaMismatch(RuntimeError):
     """Replicas' parameters no longer agree bit for bit."""
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: compared and hashed by identity
 class _Job:
     """One DDP bucket handed to the communication thread."""
 
@@ -126,12 +126,19 @@ def _value(fut: torch.futures.Future) -> torch.Tensor:
 
 class CommThread:
     """The thread that runs `work` on every compressed bucket, in the order they were put: one
-    per CloudDDP, so that every rank issues the same collectives in the same order. On a GPU
-    it works on a stream of its own, after the event the hook recorded."""
+    per CloudDDP, so that every rank issues the same collectives in the same order. `work` may
+    complete a bucket later (a step's exchanges are all in flight before the first is waited
+    for); after a failure every bucket handed over fails with it. On a GPU it works on a stream
+    of its own, after the event the hook recorded."""
 
     __slots__ = ("_queue", "_relay", "_thread", "_work", "device", "stream")
 
-    def __init__(self, work: Callable[[Any], Any], relay: FailureRelay, device: Any) -> None:
+    def __init__(
+        self,
+        work: Callable[[Any], list[tuple[Any, torch.Tensor]]],
+        relay: FailureRelay,
+        device: Any,
+    ) -> None:
         self._work, self._relay, self.device = work, relay, device
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -148,6 +155,7 @@ class CommThread:
             # a new thread starts on cuda:0; this rank's device may be another (local_rank > 0)
             torch.cuda.set_device(self.device)
             self.stream = torch.cuda.Stream(self.device)
+        waiting: list[_Job] = []  # handed over, their results not yet complete
         while True:
             job = self._queue.get()
             if job is None:
@@ -155,18 +163,29 @@ class CommThread:
             if self._relay.error is not None:
                 job.future.set_exception(self._relay.error)
                 continue
+            waiting.append(job)
             try:
                 if job.ready is None:
-                    job.future.set_result(self._work(job))
+                    self._complete(self._work(job), waiting)
                     continue
                 with torch.cuda.stream(self.stream):
                     self.stream.wait_event(job.ready)
                     # set inside the stream: the future's completion event is recorded on the
                     # comm stream, so DDP waits for the GPU work it stands for
-                    job.future.set_result(self._work(job))
+                    self._complete(self._work(job), waiting)
             except BaseException as e:
                 self._relay.error = e
-                job.future.set_exception(e)
+                for stuck in waiting:  # nothing waits for a collective that will not come
+                    stuck.future.set_exception(e)
+                waiting.clear()
+
+    @staticmethod
+    def _complete(done: list[tuple[_Job, torch.Tensor]], waiting: list[_Job]) -> None:
+        """`work` returns the buckets whose results are complete (maybe none yet, maybe earlier
+        ones too): their futures get them."""
+        for job, result in done:
+            job.future.set_result(result)
+            waiting.remove(job)
 
     def close(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -195,6 +214,7 @@ class CommState:
         "controller",
         "_thread",
         "_relay",
+        "_open",
     )
 
     def __init__(
@@ -229,6 +249,7 @@ class CommState:
         self.pipeline = Pipeline()
         self.plan = first_plan(config, topo, codecs, self.controller)
         self._relay = FailureRelay()
+        self._open: list[tuple] = []  # this step's exchanges in flight (synchronous plans)
         self._thread = CommThread(self._reduce, self._relay, self.layouts.device)
 
     # the data path's parts, as the hook's
@@ -297,14 +318,16 @@ class CommState:
         self._thread.put(job)
         return self._relay.chained(fut)
 
-    def _reduce(self, job: _Job) -> torch.Tensor:
-        """The compressed path of one DDP bucket, on the communication thread.
+    def _reduce(self, job: _Job) -> list[tuple[_Job, torch.Tensor]]:
+        """The compressed path of one DDP bucket, on the communication thread: the buckets whose
+        results are complete.
 
         DDP's bucket is reduced as the buckets of `layouts` it is made of: itself, normally; in
         the first step after a resume, DDP's one initial bucket holds all the buckets the saved
         run used, and each is reduced as it was then, so the resumed run repeats its math.
-        Synchronous steps reduce in place; pipelined ones start this step's exchanges and apply
-        those due now (of step t - s; cloudtrain.pipeline).
+        Synchronous steps start every bucket's exchange as DDP hands it over and finish them all
+        at its last bucket, in order: the step waits for one round trip, not one per bucket.
+        Pipelined ones apply the exchanges due now (of step t - s; cloudtrain.pipeline).
         """
         buf = job.buffer
         buf.mul_(1.0 / self.topo.world_size)  # as DDP: times the reciprocal, not divided
@@ -314,24 +337,38 @@ class CommState:
             piece = unit.gather(buf, copy=not synchronous)
             self.layouts.inject(unit.layout, piece)
             where = f" at step {self.step}, bucket {unit.index}"
+            exchange = self.path.start(piece, self.plan, self.step, unit.index, where)
             if synchronous:
-                self.path.reduce_bucket(piece, self.plan, self.step, unit.index, where)
-                unit.scatter(piece, buf)
+                self._open.append((job, unit, piece, exchange))
             else:
-                flight = self.path.start(piece, self.plan, self.step, unit.index, where)
-                self.pipeline.add(self.step, unit.layout, flight)
+                self.pipeline.add(self.step, unit.layout, exchange)
+        done: list[tuple[_Job, torch.Tensor]] = []
         if not synchronous:
             buf.zero_()
             upto = self.step - self.plan.staleness
             self.pipeline.apply_due(upto, job.signature, buf, self.path.finish)
-        check_finite(self.config, buf, self.step, job.index)
-        self.layouts.written(job.signature, buf)
+            done.append((job, self._result(job)))
+        elif job.is_last:
+            opened, self._open = self._open, []
+            for owner, unit, piece, exchange in opened:
+                result = self.path.finish(exchange)
+                if result.data_ptr() != piece.data_ptr():
+                    piece.copy_(result)
+                unit.scatter(piece, owner.buffer)
+            jobs = list(dict.fromkeys(owner for owner, *_ in opened))
+            done += [(owner, self._result(owner)) for owner in jobs]
         if job.is_last:
             self.stats.compressed_steps += 1
             self._end_step()
             if self.path.observer is not None:
                 self.path.observer.step_started()
-        return buf
+        return done
+
+    def _result(self, job: _Job) -> torch.Tensor:
+        """A bucket's complete result, checked, as DDP gets it."""
+        check_finite(self.config, job.buffer, self.step, job.index)
+        self.layouts.written(job.signature, job.buffer)
+        return job.buffer
 
     def _allreduce(
         self, index: int, buffer: torch.Tensor, last: bool, signature: BucketLayout
@@ -488,8 +525,7 @@ def verify_replicas(
     first region). Their CRCs are gathered on the control group: every rank calls."""
     # a copy: numpy's view of a tensor makes its storage unresizable, and FSDP resizes storage
     sums = [
-        zlib.crc32(t.detach().to("cpu", copy=True).view(torch.uint8).numpy().data)
-        for t in tensors
+        zlib.crc32(t.detach().to("cpu", copy=True).view(torch.uint8).numpy().data) for t in tensors
     ]
     gathered: list[Any] = [None] * topo.world_size
     t0 = time.perf_counter()

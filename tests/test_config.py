@@ -3,6 +3,7 @@ made, and the presets."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -203,3 +204,17 @@ def test_presets():
     assert (four.sync_every, four.codec, four.level, four.outer_momentum) == (50, "quant", 4, 0.5)
     assert CompressionConfig.resolve("diloco").outer == OuterConfig()
     assert all(CompressionConfig.resolve(name) for name in PRESETS)
+
+
+@pytest.mark.parametrize("name", ["auto", "topk-1pct", "cocktail", "diloco-4bit", "diloco-sparse"])
+def test_a_config_round_trips_through_json(name, tmp_path):
+    config = CompressionConfig.resolve(name, regions="us,us,eu,eu", controller={"interval": 7})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    assert CompressionConfig.resolve(str(path)) == config
+    assert CompressionConfig.resolve(str(path), timeout_s=9).timeout_s == 9
+    with pytest.raises(ValueError, match="unknown CompressionConfig fields"):
+        CompressionConfig.from_dict({**config.to_dict(), "codek": "topk"})
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match="config file .*broken.json"):
+        CompressionConfig.resolve(str(tmp_path / "broken.json"))

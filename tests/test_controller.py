@@ -94,7 +94,7 @@ MLP = [1_650_000 // 2]  # the bench's MLP, one bucket, 2 shards
 def step_time(rung: int, link: LinkEstimate, compute: float, depth: int, shards) -> float:
     """The model's step time: compute plus what of the exchange is not hidden."""
     transfer = rung_bytes(LADDER[rung], shards, 1) / link.bandwidth
-    exposed = exchange_seconds(transfer, link.rtt, len(shards), compute, depth, 0.5)
+    exposed = exchange_seconds(transfer, link.rtt, compute, depth, 0.5)
     return compute + max(0.0, exposed - 0.5 * compute)
 
 
@@ -163,7 +163,6 @@ def test_staleness_is_picked_when_the_round_trip_exceeds_the_hidden_time(rtt_ms,
         if exchange_seconds(
             rung_bytes(LADDER[rungs[0]], MLP, 1) / link.bandwidth,
             link.rtt,
-            1,
             compute,
             d,
             0.5,

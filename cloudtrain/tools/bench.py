@@ -222,6 +222,11 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.scenario == "drop" and compute:
         report["drop"] = _recovery(rows, compute.step_ms, args.drop_at, args.warmup)
+    if compute is not None:
+        for row, run in zip(rows, runs, strict=True):
+            row["predicted_step_ms"], row["predicted_wan_mb_per_step"] = _predict(
+                run, compute, links, wan
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"bench-{args.scenario}"
@@ -231,6 +236,43 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     if _plot(runs, stem.with_suffix(".png"), title):
         report["plot"] = str(stem.with_suffix(".png"))
     return report
+
+
+def _predict(
+    run: Run, compute: Run, links: Scenario, wan: Any
+) -> tuple[float | None, float | None]:
+    """The planner's step time (ms) and WAN MB/step for this row (cloudtrain.forecast), from
+    the measured compute step, the row's own measured dense in-region costs and the scenario's
+    links; None where the model has no such mode (PowerSGD, the loopback rows)."""
+    from ..costs import LinkEstimate
+    from ..forecast import Setting, predict_ddp, predict_outer, predict_rungs
+
+    if wan is None or run.method in ("compute", "ddp-loopback", "powersgd"):
+        return None, None
+    shards, world = 2, 4
+    up = links.up or dict.fromkeys(("us", "eu"), UNSHAPED_MBIT)
+    per_owner = tuple(
+        LinkEstimate(up[r] * 1e6 / 8 / shards, links.rtt_ms / 1000) for r in ("us", "eu")
+    )
+    stages = {k: v / 1000 for k, v in (run.comm_ms or {}).items()}
+    if run.method in ("ddp", "fp16"):
+        setting = Setting(run.numel, world, per_owner, shards, compute.step_ms / 1000, 0.0)
+        step, sent = predict_ddp(setting, 4 if run.method == "ddp" else 2)
+    elif run.outer_schedule is not None:
+        h, rungs = run.outer_schedule
+        intra = stages.get("allreduce", 0.0)
+        setting = Setting(run.numel, world, per_owner, shards, compute.step_ms / 1000, intra)
+        step, sent = predict_outer(setting, h, [(r[0], _level(r[1])) for r in rungs])
+    else:
+        intra = stages.get("intra_reduce", 0.0) + stages.get("intra_gather", 0.0)
+        setting = Setting(run.numel, world, per_owner, shards, compute.step_ms / 1000, intra)
+        sends = [(r[0], _level(r[1])) for r in run.sends or [["none", None]] * 2]
+        step, sent = predict_rungs(setting, sends)
+    return 1000 * step, sum(sent) / 1e6
+
+
+def _level(level: Any) -> Any:
+    return tuple(level) if isinstance(level, list) else level
 
 
 def netem_describe(links: Scenario) -> str:
@@ -278,7 +320,7 @@ def print_table(report: dict[str, Any]) -> None:
     )
     print(
         f"{'method':31} {'step ms':>8} {'x compute':>9} {'x DDP unshaped':>14} "
-        f"{'WAN MB/step':>11} {'staleness':>9} {'accuracy':>8}"
+        f"{'WAN MB/step':>11} {'staleness':>9} {'accuracy':>8} {'predicted: ms':>13} {'MB/step':>8}"
     )
     for row in report["rows"]:
         ratio = f"{row['x_compute']:9.2f}" if row["x_compute"] is not None else f"{'':>9}"
@@ -291,9 +333,11 @@ def print_table(report: dict[str, Any]) -> None:
             if row["wan_mb_per_step"] is not None
             else f"{'-':>11}"
         )
+        pred_ms, pred_mb = row.get("predicted_step_ms"), row.get("predicted_wan_mb_per_step")
+        predicted = "" if pred_ms is None else f" {pred_ms:13.1f} {pred_mb:8.3f}"
         print(
             f"{row['label']:31} {row['step_ms']:8.1f} {ratio} {versus} {wan} {stale:>9} "
-            f"{100 * row['accuracy']:7.2f}%"
+            f"{100 * row['accuracy']:7.2f}%{predicted}"
         )
     for row in report["rows"]:
         if row.get("comm_ms_per_step"):

@@ -109,6 +109,7 @@ def worker(args: argparse.Namespace) -> int:
             "curve": curve,
             "loss": loss.item(),
             "metric": trainer.metric,
+            "numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
         }
         comm = getattr(ddp, "comm", None)
         if comm is not None:
@@ -116,11 +117,13 @@ def worker(args: argparse.Namespace) -> int:
             result["wan_bytes_reported"] = stats.wan_bytes_sent
             seconds = stats.seconds.items()
             result["comm_ms_per_step"] = {k: 1000 * v / args.steps for k, v in seconds}
+            result["sends"] = [list(r) for r in comm.plan.senders]  # the plan the run ended on
             outer = getattr(ddp, "outer", None)
             if outer is not None and outer.schedule is not None:  # the outer loop's choice
                 sched = outer.schedule
                 codecs = ", ".join(f"{n}:{lv}" for n, lv in sched.rungs)
                 result["plans"] = [(outer.step, [f"every {sched.sync_every} steps, {codecs}"])]
+                result["outer_schedule"] = [sched.sync_every, [list(r) for r in sched.rungs]]
                 result["staleness"] = [outer.outer.overlap]
             elif comm.controller is not None:
                 history = comm.controller.history
@@ -165,6 +168,11 @@ class Run:
     staleness: list | None = None
     metric: str = "accuracy"
     """What `accuracy` holds: "accuracy", or "loss" for a language model's workload."""
+    numel: int = 0
+    sends: list | None = None
+    """CloudDDP's plan at the end: (codec, level) by region."""
+    outer_schedule: list | None = None
+    """The outer loop's [H, rungs by region]."""
 
 
 def worker_argv(method: str, args: argparse.Namespace) -> list[str]:
@@ -258,4 +266,7 @@ def run_method(
         result.get("decisions"),
         result.get("staleness"),
         result.get("metric", "accuracy"),
+        result.get("numel", 0),
+        result.get("sends"),
+        result.get("outer_schedule"),
     )

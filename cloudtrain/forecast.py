@@ -1,0 +1,496 @@
+"""What a run will cost before anything is provisioned: step time, compute utilisation, traffic
+across regions, dollars and memory per GPU for each mode, from the same cost model the controller
+uses (cloudtrain.costs, cloudtrain.outer.choose_schedule). `cloudtrain plan` is its command.
+
+    cluster = Cluster.parse("us-east-1=2xp5.48xlarge,eu-west-1=2xp5.48xlarge")
+    links = {("us-east-1", "eu-west-1"): Link(1000, 80), ("eu-west-1", "us-east-1"): Link(1000, 80)}
+    result = forecast(Workload(params=7e9, tokens_per_gpu=16384), cluster, links)
+    print(result.table())
+
+Inputs: the model (parameters, and either tokens per GPU per step - compute from 6 x parameters x
+tokens / (the GPU's peak x `mfu`) - or a measured step time), the cluster (regions, hosts and
+instance types; the instance's GPUs from PRICES), the links (Mbit/s and RTT per direction of
+every region pair), and a dated price table (PRICES, overridable by a file).
+
+Modes: DDP (a ring all-reduce across regions, fp32 and fp16), per-step "auto" (the cost model's
+rung per link under the quality guard's first ceiling, 4-bit: sparse rungs come only after a trial
+keeps quality; and with them), and the outer loop (H and codec as `sync_every="auto"` chooses them,
+and the diloco-4bit preset). What it leaves out: activations (give `activation_gb`), overlap of
+the all-reduce with backward beyond the cost model's hidden share, stragglers, the CPU of the
+codecs (small on GPUs), quality (the outer loop changes the algorithm; docs/quality.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .compress.ladders import LADDER, OUTER_LADDER
+from .config import AUTO, CompressionConfig, ControllerOptions
+from .costs import CostModel, LinkEstimate, plain_seconds, plan_levels
+from .guard import first_ceiling
+from .outer import choose_schedule, fragment_exchange_seconds
+from .plan import Codecs, Rung, ceil_div, describe
+
+BUCKET_BYTES = 25 * 1024 * 1024
+"""DDP's default bucket (bucket_cap_mb=25)."""
+
+STATE_BYTES = 16
+"""Bytes per parameter of DDP with AdamW in mixed precision: fp32 weights, gradients and the two
+moments."""
+
+GPUS: dict[str, tuple[float, float]] = {
+    # name: (memory GB, nominal dense bf16 TFLOPS)
+    "A10G": (24, 70),
+    "L4": (24, 121),
+    "L40S": (48, 362),
+    "A100-40GB": (40, 312),
+    "A100-80GB": (80, 312),
+    "H100": (80, 989),
+    "H200": (141, 989),
+}
+
+PRICES: dict[str, Any] = {
+    "date": "2026-11",
+    "note": "us-east-1 list prices on demand, spot as typically seen; override with --prices",
+    "instances": {
+        # type: [GPU, GPUs per host, on demand $/h, spot $/h]
+        "g5.xlarge": ["A10G", 1, 1.006, 0.40],
+        "g5.12xlarge": ["A10G", 4, 5.672, 2.30],
+        "g5.48xlarge": ["A10G", 8, 16.288, 6.50],
+        "g6.xlarge": ["L4", 1, 0.805, 0.35],
+        "g6e.12xlarge": ["L40S", 4, 10.493, 4.20],
+        "p4d.24xlarge": ["A100-40GB", 8, 21.96, 9.50],
+        "p4de.24xlarge": ["A100-80GB", 8, 27.45, 11.00],
+        "p5.48xlarge": ["H100", 8, 55.04, 24.00],
+        "p5en.48xlarge": ["H200", 8, 63.30, 28.00],
+    },
+    # $/GB a region's egress to another region costs
+    "inter_region_per_gb": {
+        "default": 0.02,
+        "ap-northeast-1": 0.09,
+        "ap-northeast-2": 0.08,
+        "ap-southeast-1": 0.09,
+        "ap-southeast-2": 0.098,
+        "ap-south-1": 0.086,
+        "sa-east-1": 0.138,
+    },
+    "regions": [
+        "us-east-1",
+        "us-east-2",
+        "us-west-1",
+        "us-west-2",
+        "ca-central-1",
+        "eu-west-1",
+        "eu-west-2",
+        "eu-west-3",
+        "eu-central-1",
+        "eu-north-1",
+        "ap-northeast-1",
+        "ap-northeast-2",
+        "ap-southeast-1",
+        "ap-southeast-2",
+        "ap-south-1",
+        "sa-east-1",
+    ],
+}
+"""The built-in price table (dated: prices change; `load_prices` reads a file of the same form)."""
+
+
+def load_prices(path: str | Path | None = None) -> dict[str, Any]:
+    """PRICES, with the entries of a JSON file of the same form (instances, inter_region_per_gb,
+    regions) over them; a file missing a field or with a malformed entry is refused, naming it."""
+    if path is None:
+        return PRICES
+    try:
+        given = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"price file {path}: {e}") from None
+    prices = {**PRICES, **{k: v for k, v in given.items() if k in ("date", "note", "regions")}}
+    prices["instances"] = {**PRICES["instances"], **given.get("instances", {})}
+    prices["inter_region_per_gb"] = {
+        **PRICES["inter_region_per_gb"], **given.get("inter_region_per_gb", {})
+    }  # fmt: skip
+    for name, entry in prices["instances"].items():
+        if not (isinstance(entry, list) and len(entry) == 4 and entry[0] in GPUS):
+            raise ValueError(
+                f"price file {path}: instances[{name!r}] must be [GPU, GPUs per host, on-demand "
+                f"$/h, spot $/h] with GPU one of {sorted(GPUS)}, got {entry!r}"
+            )
+    return prices
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    instance_type: str
+    hosts: int
+    spot: bool = True
+
+
+@dataclass(frozen=True)
+class Cluster:
+    regions: tuple[Region, ...]
+
+    @classmethod
+    def parse(cls, text: str, spot: bool = True) -> Cluster:
+        """From "us-east-1=2xp5.48xlarge,eu-west-1=1xp4d.24xlarge" (region=HOSTSxTYPE)."""
+        regions = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            m = re.fullmatch(r"([a-z0-9-]+)=(\d+)x([a-z0-9.-]+)", part)
+            if not m:
+                raise ValueError(
+                    f"cluster {part!r}: write REGION=HOSTSxINSTANCE_TYPE, e.g. us-east-1=2xp5.48xlarge"
+                )
+            regions.append(Region(m[1], m[3], int(m[2]), spot))
+        return cls(tuple(regions))
+
+    @classmethod
+    def from_tfvars(cls, variables: Mapping[str, Any]) -> Cluster:
+        """From the `regions` of a terraform.tfvars(.json): {name: {instance_count,
+        instance_type, slots, spot}} (the Terraform in terraform/)."""
+        if "regions" not in variables:
+            raise ValueError(
+                "terraform variables: no `regions` (name -> {instance_count, instance_type})"
+            )
+        return cls(
+            tuple(
+                Region(
+                    name, r["instance_type"], int(r["instance_count"]), bool(r.get("spot", True))
+                )
+                for name, r in sorted(variables["regions"].items())
+            )
+        )
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of a region pair: single-flow Mbit/s and round trip in ms."""
+
+    mbit: float
+    rtt_ms: float
+
+
+@dataclass(frozen=True)
+class Workload:
+    params: float
+    """Trainable parameters."""
+    tokens_per_gpu: float | None = None
+    """Tokens (or samples x their length) each GPU computes per step: compute from FLOPs."""
+    step_s: float | None = None
+    """A measured compute time per step (a short local run); replaces the FLOPs estimate."""
+    mfu: float = 0.4
+    """Model FLOPs utilisation assumed with tokens_per_gpu."""
+    activation_gb: float = 0.0
+    """Activation memory per GPU, if known (not modelled)."""
+    intra_gbit: float = 100.0
+    """Bandwidth inside a region (EFA / NVLink across hosts), Gbit/s."""
+
+    def __post_init__(self) -> None:
+        if not (self.params >= 1):
+            raise ValueError(f"params={self.params!r}: the model's parameter count, e.g. 7e9")
+        if (self.tokens_per_gpu is None) == (self.step_s is None):
+            raise ValueError("give the compute per step as tokens_per_gpu or as a measured step_s")
+
+
+@dataclass
+class ModeForecast:
+    mode: str
+    config: dict[str, Any] | None
+    """The CompressionConfig of the mode (CompressionConfig.to_dict), None for plain DDP."""
+    step_s: float
+    compute_s: float
+    wan_gb_per_1000: float
+    dollars_per_1000: float
+    egress_dollars_per_1000: float
+    memory_gb: float
+    fits: bool
+    detail: str = ""
+
+    @property
+    def utilisation(self) -> float:
+        return self.compute_s / self.step_s
+
+
+@dataclass
+class Forecast:
+    rows: list[ModeForecast]
+    gpu_memory_gb: float
+    prices_date: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def recommended(self) -> ModeForecast:
+        """The cheapest mode per 1000 steps that fits in memory."""
+        fitting = [r for r in self.rows if r.fits]
+        return min(fitting, key=lambda r: r.dollars_per_1000)
+
+    def table(self) -> str:
+        head = (
+            f"{'mode':44} {'step s':>8} {'compute':>8} {'WAN GB/1k':>10} {'$/1k steps':>11} "
+            f"{'(egress)':>9} {'GB/GPU':>7} {'fits':>5}"
+        )
+        lines = [head]
+        for r in self.rows:
+            lines.append(
+                f"{r.mode:44} {r.step_s:8.3f} {r.utilisation:8.0%} {r.wan_gb_per_1000:10.2f} "
+                f"{r.dollars_per_1000:11.2f} {r.egress_dollars_per_1000:9.2f} "
+                f"{r.memory_gb:7.1f} {'yes' if r.fits else 'NO':>5}"
+                + (f"  {r.detail}" if r.detail else "")
+            )
+        best = self.recommended
+        lines.append(f"recommended: {best.mode} ({best.dollars_per_1000:.2f} $ per 1000 steps)")
+        lines.append(f"prices of {self.prices_date}; {'; '.join(self.notes)}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rows": [{**dataclasses.asdict(r), "utilisation": r.utilisation} for r in self.rows],
+            "recommended": self.recommended.mode,
+            "gpu_memory_gb": self.gpu_memory_gb,
+            "prices_date": self.prices_date,
+            "notes": self.notes,
+        }
+
+
+def _check(cluster: Cluster, links: Mapping[tuple[str, str], Link], prices: dict) -> None:
+    if len(cluster.regions) < 1:
+        raise ValueError("cluster: name at least one region")
+    names = [r.name for r in cluster.regions]
+    for region in cluster.regions:
+        if region.name not in prices["regions"]:
+            raise ValueError(
+                f"unknown region {region.name!r}: use one of {prices['regions']}, or add it to "
+                "the price file's `regions` (with its `inter_region_per_gb` if not the default)"
+            )
+        if region.instance_type not in prices["instances"]:
+            raise ValueError(
+                f"unknown instance type {region.instance_type!r} in {region.name}: use one of "
+                f"{sorted(prices['instances'])}, or add it to the price file's `instances` as "
+                "[GPU, GPUs per host, on-demand $/h, spot $/h]"
+            )
+        if region.hosts < 1:
+            raise ValueError(f"region {region.name}: at least one host")
+    missing = [(a, b) for a in names for b in names if a != b and (a, b) not in links]
+    if missing:
+        raise ValueError(
+            f"no link given for {', '.join(f'{a} -> {b}' for a, b in missing)}: give each "
+            "direction's Mbit/s and RTT (--link A,B=MBIT:RTT_MS, a --profile for every pair, or "
+            "--probe FILE from `cloudtrain probe --json`)"
+        )
+
+
+def forecast(
+    workload: Workload,
+    cluster: Cluster,
+    links: Mapping[tuple[str, str], Link],
+    prices: dict[str, Any] | None = None,
+) -> Forecast:
+    """Every mode's step time, traffic, dollars and memory per GPU (module docstring)."""
+    prices = prices or PRICES
+    _check(cluster, links, prices)
+    kinds = [prices["instances"][r.instance_type] for r in cluster.regions]
+    gpus = [k[1] * r.hosts for k, r in zip(kinds, cluster.regions, strict=True)]
+    memory, peak = min(GPUS[k[0]][0] for k in kinds), min(GPUS[k[0]][1] for k in kinds)
+    if workload.step_s is not None:
+        compute = workload.step_s
+    else:  # the slowest region's GPU sets the pace
+        compute = 6 * workload.params * workload.tokens_per_gpu / (peak * 1e12 * workload.mfu)
+    ctx = _Context(workload, cluster, links, prices, gpus, compute)
+    rows = [ctx.ddp(4), ctx.ddp(2)]
+    if len(cluster.regions) > 1:
+        rows += [*ctx.auto(), ctx.outer(AUTO), ctx.outer("diloco-4bit")]
+    for row in rows:
+        row.fits = row.memory_gb + workload.activation_gb <= 0.9 * memory
+    result = Forecast(rows, memory, prices["date"], [
+        f"{sum(gpus)} GPUs, compute {1000 * compute:.0f} ms/step",
+        "memory: weights, gradients, AdamW and cloudtrain's state; activations not modelled"
+        if not workload.activation_gb else f"memory includes {workload.activation_gb} GB activations",
+    ])  # fmt: skip
+    if not any(r.fits for r in rows):
+        need = min(r.memory_gb for r in rows) + workload.activation_gb
+        raise ValueError(
+            f"the model fits no mode: {need:.0f} GB per GPU against {memory:.0f} GB "
+            "(90 % usable): choose GPUs with more memory, or shard the model inside each region"
+        )
+    return result
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What predicting one step needs: the model's size, the cluster's shape, each region's
+    link as its shard owners share it, and the compute and dense in-region costs."""
+
+    numel: int
+    world: int
+    links: tuple[LinkEstimate, ...]
+    """By region: its link per shard owner (estimates.region_links' form)."""
+    shards: int
+    compute_s: float
+    intra_s: float
+    """Seconds per step of the dense reduction (and gather) inside a region."""
+
+    @property
+    def buckets(self) -> int:
+        return max(1, ceil_div(4 * self.numel, BUCKET_BYTES))
+
+    def shard_numels(self) -> list[int]:
+        per = BUCKET_BYTES // 4
+        return [ceil_div(min(per, self.numel - i), self.shards) for i in range(0, self.numel, per)]
+
+    def cost_model(self, ladder: Sequence[Rung] = LADDER) -> CostModel:
+        options = ControllerOptions(ladder=tuple(ladder))
+        extra = [0.0 if name == "none" else self.intra_s for name, _ in ladder]
+        return CostModel(self.links, self.compute_s, self.shard_numels(), options,
+                         extra=extra, codecs=Codecs(CompressionConfig()))  # fmt: skip
+
+
+def predict_ddp(s: Setting, nbytes_per_param: int) -> tuple[float, list[float]]:
+    """(step seconds, bytes each region sends across per step) of a ring all-reduce over every
+    rank: each region boundary carries 2 (n-1)/n of the gradients, and the step waits for the
+    slowest link (costs.plain_seconds: every byte crosses twice, a round trip per bucket)."""
+    grad = int(s.numel * nbytes_per_param)
+    if len(s.links) == 1:
+        return s.compute_s + s.intra_s * nbytes_per_param / 4, [0.0]
+    slowest = min(s.links, key=lambda lk: lk.bandwidth)
+    link = LinkEstimate(slowest.bandwidth * s.shards, slowest.rtt)
+    crossing = 2 * (s.world - 1) / s.world * grad
+    return s.compute_s + plain_seconds(grad, link, s.buckets), [crossing] * len(s.links)
+
+
+def predict_rungs(s: Setting, rungs: Sequence[Rung]) -> tuple[float, list[float]]:
+    """(step seconds, bytes each region sends across per step) of per-step CloudDDP sending
+    these rungs (codec, level) by region, synchronous: compute, the dense reduction, and what of
+    the exchange (a round trip and the transfer, costs.CostModel.rung_seconds) does not
+    hide in compute."""
+    ladder = [("none", None), *dict.fromkeys(r for r in rungs if r[0] != "none")]
+    model = s.cost_model(ladder)
+    at = [ladder.index(r) if r[0] != "none" else 0 for r in rungs]
+    plain = not any(at)
+    exchange = max(
+        model.rung_seconds(lk, r, 0, plain) for lk, r in zip(model.links, at, strict=True)
+    )
+    exposed = max(exchange - model.usable, 0.0)
+    step = s.compute_s + exposed + (0.0 if plain else s.intra_s)
+    return step, [s.shards * model.sizes[r] for r in at]
+
+
+def predict_outer(s: Setting, sync_every: int, rungs: Sequence[Rung]) -> tuple[float, list[float]]:
+    """(step seconds, bytes each region sends across per step) of the outer loop without
+    overlap: inner steps reduce inside the region; every H steps a sync whose exchange (a round
+    trip and the packet to every other region, outer.fragment_exchange_seconds) stalls."""
+    codecs, receivers = Codecs(CompressionConfig()), len(s.links) - 1
+    m = ceil_div(s.numel, s.shards)
+    stall = max(
+        fragment_exchange_seconds(lk, codecs.wire_nbytes(r, m), receivers)
+        for lk, r in zip(s.links, rungs, strict=True)
+    )
+    wan = [s.shards * receivers * codecs.wire_nbytes(r, m) / sync_every for r in rungs]
+    return s.compute_s + s.intra_s + stall / sync_every, wan
+
+
+@dataclass
+class _Context:
+    """What every mode's forecast is computed from."""
+
+    workload: Workload
+    cluster: Cluster
+    links: Mapping[tuple[str, str], Link]
+    prices: dict[str, Any]
+    gpus: list[int]
+    compute: float
+
+    @property
+    def shards(self) -> int:
+        return min(self.gpus)  # shard owners per region (as CloudDDP's topology)
+
+    def region_links(self) -> list[LinkEstimate]:
+        """Each region's slowest outgoing link, shared by its shard owners, as the controller
+        reads the probe (estimates.region_links)."""
+        out = []
+        for r in self.cluster.regions:
+            outgoing = [lk for (a, _), lk in self.links.items() if a == r.name]
+            slowest = min(outgoing, key=lambda lk: lk.mbit, default=Link(1e6, 0))
+            rtt = min(lk.rtt_ms for lk in outgoing) if outgoing else 0.0
+            out.append(LinkEstimate(slowest.mbit * 1e6 / 8 / self.shards, rtt / 1000))
+        return out
+
+    def intra_s(self, nbytes: float) -> float:
+        """A dense ring all-reduce of `nbytes` inside a region."""
+        return 2 * nbytes / (self.workload.intra_gbit * 1e9 / 8)
+
+    def dollars(self, step_s: float, wan_bytes_by_region: Sequence[float]) -> tuple[float, float]:
+        """(instances + egress, egress) $ per 1000 steps."""
+        hours = 1000 * step_s / 3600
+        inst = sum(
+            r.hosts * self.prices["instances"][r.instance_type][3 if r.spot else 2] * hours
+            for r in self.cluster.regions
+        )
+        rates = self.prices["inter_region_per_gb"]
+        egress = sum(
+            b * 1000 / 1e9 * rates.get(r.name, rates["default"])
+            for r, b in zip(self.cluster.regions, wan_bytes_by_region, strict=True)
+        )
+        return inst + egress, egress
+
+    def row(
+        self, mode: str, config: dict, step: float, wan: Sequence[float], mem: float, detail: str
+    ) -> ModeForecast:
+        total, egress = self.dollars(step, wan)
+        return ModeForecast(mode, config, step, self.compute, sum(wan) * 1000 / 1e9, total, egress,
+                            mem, True, detail)  # fmt: skip
+
+    def setting(self) -> Setting:
+        intra = self.intra_s(4 * self.workload.params)
+        links = tuple(self.region_links())
+        return Setting(
+            int(self.workload.params), sum(self.gpus), links, self.shards, self.compute, intra
+        )
+
+    def ddp(self, nbytes_per_param: int) -> ModeForecast:
+        step, wan = predict_ddp(self.setting(), nbytes_per_param)
+        mode = "DDP" if nbytes_per_param == 4 else "DDP + fp16 hook"
+        mem = STATE_BYTES * self.workload.params / 1e9
+        return self.row(mode, None, step, wan, mem, "")
+
+    def auto(self) -> list[ModeForecast]:
+        """Per-step "auto": the cost model's rung per link, synchronous (the quality guard
+        pipelines only where the gradient barely moves), under its first ceiling and without."""
+        setting = self.setting()
+        model = setting.cost_model()
+        rows = []
+        mem = (STATE_BYTES * self.workload.params + 4 * self.workload.params / self.shards) / 1e9
+        for label, ceiling in (
+            ("≤ 4-bit: the guard's start", first_ceiling(LADDER)),
+            ("sparse rungs kept", len(LADDER) - 1),
+        ):
+            rungs, _, _ = plan_levels(model, ceilings=[ceiling] * len(model.links))
+            step, wan = predict_rungs(setting, [LADDER[r] for r in rungs])
+            levels = ", ".join(describe(LADDER[r]) for r in rungs)
+            config = CompressionConfig().to_dict()
+            rows.append(self.row(f'per-step "auto" ({label})', config, step, wan, mem, levels))
+        return rows
+
+    def outer(self, preset: str) -> ModeForecast:
+        """The outer loop: H and codec as outer.choose_schedule picks them (or the preset's)."""
+        setting = self.setting()
+        cfg = CompressionConfig.resolve("diloco" if preset == AUTO else preset).outer
+        codecs = Codecs(CompressionConfig())
+        ladder = OUTER_LADDER if cfg.codec == AUTO else ((cfg.codec, cfg.level),)
+        sched = choose_schedule(
+            setting.numel, setting.links, self.shards, self.compute + setting.intra_s, 1, 0,
+            codecs.wire_nbytes, cfg.sync_every, ladder,
+        )  # fmt: skip
+        step, wan = predict_outer(setting, sched.sync_every, sched.rungs)
+        state = 4 + (4 if cfg.outer_momentum > 0 else 0) + 4 / self.shards
+        mem = (STATE_BYTES + state) * self.workload.params / 1e9
+        name = f"outer loop ({'diloco' if preset == AUTO else preset})"
+        chosen = dataclasses.replace(cfg, sync_every=sched.sync_every) if preset == AUTO else cfg
+        config = CompressionConfig.resolve("diloco", outer=chosen).to_dict()
+        detail = f"H={sched.sync_every}, {', '.join(describe(r) for r in sched.rungs)}"
+        return self.row(name, config, step, wan, mem, detail)

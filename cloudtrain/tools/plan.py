@@ -1,0 +1,156 @@
+"""`cloudtrain plan`: step time, traffic, dollars and memory per GPU of each mode, before anything
+is provisioned (cloudtrain.forecast), and the config and Terraform variables to run the best one.
+
+    cloudtrain plan --params 1.3e9 --tokens-per-gpu 16384 \
+        --cluster us-east-1=2xp5.48xlarge,eu-west-1=2xp5.48xlarge --profile us-eu
+    cloudtrain plan --params 110e3 --step-ms 40 --tfvars terraform.tfvars.json \
+        --link us-east-1,eu-west-1=100:80 --link eu-west-1,us-east-1=100:80 --emit plan/
+    cloudtrain plan ... --probe probe.json      # the links `cloudtrain probe --json` measured
+    cloudtrain plan ... --prices prices.json     # a price table of your own (forecast.PRICES' form)
+
+--emit DIR writes DIR/cloudtrain.json (the recommended CompressionConfig: `CloudDDP(model,
+"DIR/cloudtrain.json")`, and the examples' --config take it) and DIR/terraform.tfvars (the
+cluster, as terraform/examples/two-region takes it: set operator_cidrs to your address). --json prints the forecast as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..forecast import Cluster, Link, Workload, forecast, load_prices
+
+
+def _links(args: argparse.Namespace, names: list[str]) -> dict[tuple[str, str], Link]:
+    links: dict[tuple[str, str], Link] = {}
+    if args.profile:
+        from .netem.spec import link_profile
+
+        profile = link_profile(args.profile)
+        links = {(a, b): Link(profile.mbit, profile.rtt_ms) for a in names for b in names if a != b}
+    if args.probe:
+        links.update(_probed(args.probe, names, args.ranks_per_region))
+    for text in args.link or []:
+        try:
+            pair, value = text.split("=")
+            a, b = pair.split(",")
+            mbit, rtt = value.split(":")
+            links[(a.strip(), b.strip())] = Link(float(mbit), float(rtt))
+        except ValueError:
+            raise SystemExit(
+                f"--link {text!r}: write FROM,TO=MBIT:RTT_MS, e.g. us-east-1,eu-west-1=1000:80"
+            ) from None
+    return links
+
+
+def _probed(path: str, names: list[str], per_region: int | None) -> dict[tuple[str, str], Link]:
+    """The links between the regions' first ranks in `cloudtrain probe --json`'s matrix; ranks
+    are the regions' in order, `per_region` each (default: as the probe clustered them)."""
+    data = json.loads(Path(path).read_text())
+    beta, alpha = data["beta_Bps"], data["alpha_s"]
+    labels = (
+        data.get("regions") if per_region is None else [r // per_region for r in range(len(beta))]
+    )
+    firsts = {label: labels.index(label) for label in sorted(set(labels))}
+    if len(firsts) != len(names):
+        raise SystemExit(
+            f"--probe {path}: {len(firsts)} regions measured, the cluster has {len(names)}: give "
+            "--ranks-per-region"
+        )
+    leaders = list(firsts.values())
+    return {
+        (names[a], names[b]): Link(8 * beta[la][lb] / 1e6, 1000 * alpha[la][lb])
+        for a, la in enumerate(leaders)
+        for b, lb in enumerate(leaders)
+        if a != b
+    }
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    if args.tfvars:
+        text = Path(args.tfvars).read_text()
+        if args.tfvars.endswith(".json"):
+            variables: Any = json.loads(text)
+        else:
+            try:
+                import hcl2
+            except ImportError:
+                raise SystemExit(
+                    "reading .tfvars needs python-hcl2; or give terraform.tfvars.json"
+                ) from None
+            variables = hcl2.loads(text)
+        return Cluster.from_tfvars(variables)
+    if not args.cluster:
+        raise SystemExit("give the cluster: --cluster REGION=HOSTSxTYPE,... or --tfvars FILE")
+    return Cluster.parse(args.cluster, spot=not args.on_demand)
+
+
+def _tfvars(cluster: Cluster, prices: dict[str, Any]) -> str:
+    lines = ['cluster_name = "my-cluster"', "regions = {"]
+    for r in cluster.regions:
+        slots = prices["instances"][r.instance_type][1]
+        lines.append(
+            f'  "{r.name}" = {{ instance_count = {r.hosts}, instance_type = "{r.instance_type}", '
+            f"slots = {slots}, spot = {str(r.spot).lower()} }}"
+        )
+    lines += ["}", 'operator_cidrs = ["203.0.113.0/24"] # your address range', ""]
+    return "\n".join(lines)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.split("\n\n")[0]
+    parser.add_argument(
+        "--params", type=float, required=True, help="trainable parameters, e.g. 7e9"
+    )
+    compute = parser.add_mutually_exclusive_group(required=True)
+    compute.add_argument("--tokens-per-gpu", type=float, help="tokens each GPU computes per step")
+    compute.add_argument("--step-ms", type=float, help="compute time per step, measured")
+    parser.add_argument(
+        "--mfu", type=float, default=0.4, help="with --tokens-per-gpu (default 0.4)"
+    )
+    parser.add_argument("--activation-gb", type=float, default=0.0, help="activations per GPU")
+    parser.add_argument("--intra-gbit", type=float, default=100.0, help="bandwidth inside a region")
+    parser.add_argument(
+        "--cluster", help="REGION=HOSTSxINSTANCE_TYPE,... (spot unless --on-demand)"
+    )
+    parser.add_argument("--tfvars", help="the cluster from a terraform.tfvars(.json) of terraform/")
+    parser.add_argument("--on-demand", action="store_true", help="price hosts on demand")
+    parser.add_argument("--profile", help="one link profile for every pair (cloudtrain netem's)")
+    parser.add_argument("--link", action="append", help="FROM,TO=MBIT:RTT_MS (one direction)")
+    parser.add_argument("--probe", help="links from `cloudtrain probe --json` output")
+    parser.add_argument("--ranks-per-region", type=int, help="with --probe: ranks of each region")
+    parser.add_argument("--prices", help="a price table file (forecast.PRICES' form)")
+    parser.add_argument("--emit", metavar="DIR", help="write cloudtrain.json and terraform.tfvars")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cluster = _cluster(args)
+        prices = load_prices(args.prices)
+        links = _links(args, [r.name for r in cluster.regions])
+        workload = Workload(
+            args.params, args.tokens_per_gpu, None if args.step_ms is None else args.step_ms / 1000,
+            args.mfu, args.activation_gb, args.intra_gbit,
+        )  # fmt: skip
+        result = forecast(workload, cluster, links, prices)
+    except ValueError as e:
+        raise SystemExit(f"cloudtrain plan: {e}") from None
+    if args.emit:
+        out = Path(args.emit)
+        out.mkdir(parents=True, exist_ok=True)
+        best = result.recommended
+        config = best.config if best.config is not None else {"codec": "none"}
+        (out / "cloudtrain.json").write_text(json.dumps(config, indent=1) + "\n")
+        (out / "terraform.tfvars").write_text(_tfvars(cluster, prices))
+    print(json.dumps(result.to_json()) if args.json else result.table())
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="cloudtrain plan")
+    configure(p)
+    sys.exit(run(p.parse_args()))

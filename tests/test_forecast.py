@@ -1,0 +1,123 @@
+"""`cloudtrain plan` (cloudtrain.forecast): each mode's forecast is the cost model's own answer
+(the controller's rung choice, the outer loop's schedule, DDP's ring bytes), bad inputs are
+refused naming what to add, and --emit writes a config CloudDDP loads and Terraform variables the
+cluster's plan module accepts (real Terraform)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import hcl2
+import pytest
+from hcl2.utils import SerializationOptions
+from support import plan_module_outputs
+
+from cloudtrain import CompressionConfig
+from cloudtrain.forecast import PRICES, Cluster, Link, Workload, forecast, load_prices
+
+TWO = Cluster.parse("us-east-1=2xp5.48xlarge,eu-west-1=2xp5.48xlarge")
+US_EU = {("us-east-1", "eu-west-1"): Link(1000, 80), ("eu-west-1", "us-east-1"): Link(1000, 80)}
+MODEL = Workload(1.3e9, tokens_per_gpu=16384)
+
+
+def rows(result):
+    return {r.mode: r for r in result.rows}
+
+
+def test_ddp_sends_the_ring_share_across_every_region_boundary():
+    result = rows(forecast(MODEL, TWO, US_EU))
+    n = 32  # GPUs
+    per_step = 2 * (n - 1) / n * 4 * 1.3e9 * 2  # two boundaries, fp32 gradients
+    assert result["DDP"].wan_gb_per_1000 == pytest.approx(1000 * per_step / 1e9)
+    assert result["DDP + fp16 hook"].wan_gb_per_1000 == pytest.approx(500 * per_step / 1e9)
+    assert result["DDP"].step_s > result["DDP + fp16 hook"].step_s > result["DDP"].compute_s
+
+
+def test_modes_are_the_controllers_and_the_outer_loops_own_choices():
+    from cloudtrain.outer import choose_schedule
+    from cloudtrain.plan import Codecs, describe
+
+    result = rows(forecast(MODEL, TWO, US_EU))
+    guarded = result['per-step "auto" (≤ 4-bit: the guard\'s start)']
+    assert guarded.detail == "4-bit, 4-bit"  # sparse rungs only after the guard's trials
+    assert "top-k" in result['per-step "auto" (sparse rungs kept)'].detail
+    outer = result["outer loop (diloco)"]
+    from cloudtrain.costs import LinkEstimate
+
+    per_owner = LinkEstimate(1000e6 / 8 / 16, 0.08)  # a region's link shared by its 16 owners
+    sched = choose_schedule(
+        int(1.3e9), [per_owner] * 2, 16, outer.compute_s + 2 * 5.2e9 / 12.5e9,
+        1, 0, Codecs(CompressionConfig()).wire_nbytes,
+    )  # fmt: skip
+    assert outer.detail == f"H={sched.sync_every}, " + ", ".join(describe(r) for r in sched.rungs)
+    assert outer.config["outer"]["sync_every"] == sched.sync_every
+    assert outer.wan_gb_per_1000 < guarded.wan_gb_per_1000 < result["DDP"].wan_gb_per_1000
+    assert forecast(MODEL, TWO, US_EU).recommended.mode.startswith("outer loop")
+
+
+def test_a_single_region_has_no_cross_region_modes():
+    one = Cluster.parse("us-east-1=2xp5.48xlarge")
+    result = forecast(MODEL, one, {})
+    assert [r.mode for r in result.rows] == ["DDP", "DDP + fp16 hook"]
+    assert all(r.wan_gb_per_1000 == 0 for r in result.rows)
+
+
+@pytest.mark.parametrize(
+    "cluster, links, workload, message",
+    [
+        ("us-east-1=1xp9.huge,eu-west-1=1xg5.xlarge", US_EU, MODEL, "unknown instance type 'p9.huge'"),
+        ("us-east-1=1xg5.xlarge,mars-1=1xg5.xlarge", US_EU, MODEL, "unknown region 'mars-1'"),
+        ("us-east-1=1xg5.xlarge,eu-west-1=1xg5.xlarge", dict(list(US_EU.items())[:1]), MODEL,
+         "no link given for eu-west-1 -> us-east-1"),
+        ("us-east-1=1xg5.xlarge,eu-west-1=1xg5.xlarge", US_EU, Workload(7e9, step_s=1.0),
+         "fits no mode: 112 GB per GPU against 24 GB"),
+    ],
+)  # fmt: skip
+def test_bad_inputs_name_what_to_add(cluster, links, workload, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        forecast(workload, Cluster.parse(cluster), links)
+    with pytest.raises(ValueError, match="tokens_per_gpu or as a measured step_s"):
+        Workload(1e6)
+
+
+def test_a_price_file_overrides_and_a_malformed_one_is_refused(tmp_path):
+    good = tmp_path / "prices.json"
+    good.write_text(
+        json.dumps({"date": "2027-01", "instances": {"g5.xlarge": ["A10G", 1, 2.0, 1.0]}})
+    )
+    prices = load_prices(good)
+    assert prices["date"] == "2027-01" and prices["instances"]["g5.xlarge"][3] == 1.0
+    assert prices["instances"]["p5.48xlarge"] == PRICES["instances"]["p5.48xlarge"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"instances": {"x.large": ["H100", 8]}}))
+    with pytest.raises(ValueError, match=r"instances\['x.large'\] must be \[GPU, GPUs per host"):
+        load_prices(bad)
+
+
+def test_emit_writes_a_config_cloudddp_loads_and_variables_terraform_accepts(tmp_path):
+    cmd = [
+        sys.executable, "-m", "cloudtrain.cli", "plan", "--params", "2e6", "--step-ms", "40",
+        "--cluster", "us-east-1=2xg5.xlarge,eu-west-1=2xg5.xlarge", "--profile", "us-eu",
+        "--emit", str(tmp_path), "--json",
+    ]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    best = next(r for r in report["rows"] if r["mode"] == report["recommended"])
+    config = CompressionConfig.resolve(str(tmp_path / "cloudtrain.json"))
+    assert config.to_dict() == best["config"]
+    options = SerializationOptions(with_comments=False, strip_string_quotes=True)
+    variables = hcl2.loads(
+        (tmp_path / "terraform.tfvars").read_text(), serialization_options=options
+    )
+    regions = variables["regions"]
+    assert {name: (r["instance_count"], r["instance_type"]) for name, r in regions.items()} == {
+        "us-east-1": (2, "g5.xlarge"),
+        "eu-west-1": (2, "g5.xlarge"),
+    }
+    outputs = plan_module_outputs(
+        tmp_path / "tf", {k: variables[k] for k in ("cluster_name", "regions", "operator_cidrs")}
+    )
+    assert set(outputs["regions"]) == {"us-east-1", "eu-west-1"}
