@@ -291,10 +291,11 @@ class ShardedComm:
 
     def joins(self, module: nn.Module) -> bool:
         """Whether a fully_shard call on `module` belongs to this model: until a call shards a
-        module around all the units so far (the root), every call does; after it, only a call
-        on a module around that root."""
+        module around all the other units so far (the root), every call does; after it, only a
+        call on a module around that root. (A model of one unit is closed by its first forward:
+        shard the next model after it, or give it blocks.)"""
         inside = {id(m) for m in module.modules()}
-        roots = [m for m in self.modules if self._around_all(m)]
+        roots = [m for m in self.modules if len(self.modules) > 1 and self._around_all(m)]
         return not roots or id(roots[-1]) in inside
 
     def _around_all(self, module: nn.Module) -> bool:
@@ -339,7 +340,7 @@ class ShardedComm:
         self.path.stats.buckets = len(self.units)
         self.plan = first_plan(config, topo, self.codecs, self.controller)
         self.device = self._device()
-        self._thread = CommThread(lambda job: job.work(), self._relay, self.device)
+        self._thread = CommThread(lambda job: [(job, job.work())], self._relay, self.device)
         log.info(
             "cloudtrain: sharded %d unit(s) over %s; config %s",
             len(self.units),

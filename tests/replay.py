@@ -167,11 +167,13 @@ class ShardedReplay:
             r: [[] for _ in self.units] for m in self.members for r in m
         }
         for u, shapes in enumerate(self.units):
+            if not shapes:  # a unit holding no parameters of its own (a root): nothing crosses
+                continue
             for j in range(k):
                 flats = []
                 for members in self.members:
                     pieces = []
-                    for i, shape in enumerate(shapes):
+                    for i in range(len(shapes)):
                         chunks = [_chunk(grads[r][u][i], k, j) for r in members]
                         mean = sum(chunks[1:], chunks[0]) / len(members)  # FSDP's reduce-scatter
                         pieces.append(mean.reshape(-1))
