@@ -23,7 +23,7 @@ _EXPORTS = {
     "PRESETS": "config",
     "CloudDDP": "ddp",
     "fully_shard": "sharded",
-    "device_mesh": "sharded",
+    "device_mesh": "shard_units",
     "ShardedComm": "sharded",
     "ConfigMismatch": "ddp",
     "ReplicaMismatch": "hook",

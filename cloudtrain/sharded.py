@@ -53,150 +53,37 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from .bootstrap import init
 from .compress import ErrorFeedback
 from .config import AUTO, CompressionConfig
 from .datapath import CrossRegion
 from .ddp import check_agreement
 from .guard import QualityProbe
-from .hook import CommThread, FailureRelay, check_finite, first_plan, next_plan, verify_replicas
+from .hook import CommThread, FailureRelay, first_plan, verify_replicas
 from .outer import OuterLoop, check_optimizer
 from .pipeline import Pipeline
 from .plan import Codecs, Plan
+from .shard_exchange import UnitExchange
+from .shard_units import (
+    Unit,
+    check_mesh,
+    check_uniform,
+    check_units,
+    reference,
+    topology_and_mesh,
+)
 from .stats import CommStats, Observer
-from .topology import Topology
 
 log = logging.getLogger("cloudtrain")
 
-MESH_DIMS = ("replicate", "shard")
 SHARDED_STATE_FORMAT = "cloudtrain.sharded/1"
-
-
-# -- the mesh ------------------------------------------------------------------------------------
-_MESHES: dict[tuple[Any, ...], tuple[Topology, DeviceMesh]] = {}
-"""(regions, timeout, default group) -> the topology and mesh made for them."""
-
-
-def _topology_and_mesh(config: CompressionConfig) -> tuple[Topology, DeviceMesh]:
-    """The regions (Topology.discover, all ranks) and the mesh of regions x ranks in a region,
-    made once per process for each regions setting."""
-    init(timeout_s=config.timeout_s)
-    key = (repr(config.regions), config.timeout_s, id(dist.group.WORLD))
-    if key not in _MESHES:
-        topo = Topology.discover(config, config.timeout)
-        sizes = {len(m) for m in topo.members}
-        if len(sizes) != 1:
-            counts = ", ".join(
-                f"{name} {len(m)}" for name, m in zip(topo.regions, topo.members, strict=True)
-            )
-            raise ValueError(
-                f"cloudtrain.fully_shard: the regions have different numbers of ranks ({counts}); "
-                "sharding inside regions needs a mesh of regions x ranks, the same number of ranks "
-                "in every region: launch as many ranks in each, or use CloudDDP"
-            )
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        mesh = DeviceMesh(device, torch.tensor(topo.members), mesh_dim_names=MESH_DIMS)
-        _MESHES[key] = (topo, mesh)
-    return _MESHES[key]
-
-
-def device_mesh(config: CompressionConfig | str | None = None) -> DeviceMesh:
-    """The 2-D mesh ("replicate", "shard") of the regions: row r is region r's ranks (regions in
-    name order, ranks ascending). All ranks call (the first call per regions setting discovers
-    the regions and makes the process groups). config: whose `regions` to use (default "env")."""
-    return _topology_and_mesh(CompressionConfig.resolve(config))[1]
-
-
-def _check_mesh(mesh: Any, ours: DeviceMesh) -> None:
-    if mesh is None or mesh is ours:
-        return
-    names = getattr(mesh, "mesh_dim_names", None)
-    ranks = mesh.mesh.tolist() if isinstance(mesh, DeviceMesh) else None
-    if names != MESH_DIMS or ranks != ours.mesh.tolist():
-        raise ValueError(
-            f"cloudtrain.fully_shard: mesh={mesh!r} (ranks {ranks}, dims {names}) is not the mesh "
-            f"of the regions, {ours.mesh.tolist()} with dims {MESH_DIMS} (a row per region): "
-            "leave mesh out, or pass mesh=cloudtrain.device_mesh()"
-        )
-
-
-# -- one unit: the parameters of one fully_shard call --------------------------------------------
-@dataclass
-class Unit:
-    """One FSDP param group as cloudtrain exchanges it: its trainable parameters' local shards
-    laid end to end (in FSDP's order)."""
-
-    index: int
-    module: nn.Module
-    group: Any
-    """torch's FSDPParamGroup: its flags say whether this backward syncs."""
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        """The unit's trainable sharded (DTensor) parameters, as FSDP holds them now (a load with
-        assign=True replaces them)."""
-        return [fp.sharded_param for fp in self.group.fsdp_params if fp.sharded_param.requires_grad]
-
-    @property
-    def syncs(self) -> bool:
-        """FSDP reduces this unit's gradients across data-parallel ranks in this backward."""
-        return bool(self.group.reduce_grads and self.group.all_reduce_grads)
-
-    @property
-    def offload(self) -> bool:
-        return any(fp.offload_to_cpu for fp in self.group.fsdp_params)
-
-    def numel(self) -> int:
-        return sum(p.to_local().numel() for p in self.params)
-
-    def flat_grad(self, scale: float) -> torch.Tensor:
-        """(numel,) this rank's shard of the unit's gradient times `scale`, a copy (zeros where a
-        parameter has none)."""
-        pieces = []
-        for p in self.params:
-            local = p.to_local()
-            grad = p.grad.to_local() if p.grad is not None else local.new_zeros(local.shape)
-            pieces.append(grad.reshape(-1))
-        if not pieces:
-            return torch.zeros(0)
-        return torch.cat(pieces).mul_(scale)
-
-    def write_grad(self, flat: torch.Tensor) -> None:
-        """The unit's gradient shards become `flat`'s values (a parameter without a gradient gets
-        one only where they are not all zero: HSDP leaves it None, a region that used it does
-        not)."""
-        at = 0
-        for p in self.params:
-            local = p.to_local()
-            piece = flat[at : at + local.numel()].view(local.shape)
-            at += local.numel()
-            if p.grad is None:
-                if not bool(piece.any()):
-                    continue
-                p.grad = torch.zeros_like(p)
-            grad = p.grad.to_local()
-            grad.copy_(piece.to(device=grad.device, dtype=grad.dtype))
-
-
-@dataclass
-class _Job:
-    """Work for the communication thread (cloudtrain.hook.CommThread)."""
-
-    work: Any
-    future: torch.futures.Future
-    ready: Any = None  # CUDA event after which the gradients it reads are final
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -212,13 +99,13 @@ _HOOK_LOCK = threading.Lock()
 _HOOKED: list[Any] = []
 
 
-class ShardedComm:
+class ShardedComm(UnitExchange):
     """The cross-region side of a model sharded with cloudtrain.fully_shard (module docstring):
     one per model, made by its first fully_shard call. `ShardedComm.of(model)` finds it."""
 
     def __init__(self, config: CompressionConfig) -> None:
         self.config = config
-        self.topo, self.mesh = _topology_and_mesh(config)
+        self.topo, self.mesh = topology_and_mesh(config)
         self.units: list[Unit] = []
         self.modules: list[nn.Module] = []
         """Every module fully_shard sharded for this model, in call order."""
@@ -315,9 +202,9 @@ class ShardedComm:
         self.root = root
         self.names = {id(p): name for name, p in root.named_parameters()}
         try:
-            self._check_units(root)
+            check_units(root, self.modules)
             check_agreement(root, self.config)
-            self._check_uniform()
+            check_uniform(self.units, self.names, self.topo)
         except Exception:
             self.ready = False
             raise
@@ -366,62 +253,6 @@ class ShardedComm:
                 return p.to_local().device
         return torch.device("cpu")
 
-    def _check_units(self, root: nn.Module) -> None:
-        """Every FSDP module under the root must be one of ours: torch's own fully_shard would
-        leave its gradients inside the region."""
-        mine = {id(m) for m in self.modules}
-        for name, sub in root.named_modules():
-            if isinstance(sub, FSDPModule) and id(sub) not in mine:
-                groups = sub._get_fsdp_state()._fsdp_param_groups
-                if groups:
-                    raise ValueError(
-                        f"cloudtrain: module {name or '(root)'!r} was sharded by torch's "
-                        "fully_shard, not cloudtrain's: its gradients would never leave the "
-                        "region. Shard every unit with `from cloudtrain import fully_shard`"
-                    )
-
-    def _check_uniform(self) -> None:
-        """The owners of a shard in every region hold the same parameters in the same shapes,
-        unit by unit (else their packets would not match): gathered, compared, raised on every
-        rank alike."""
-        mine = [
-            [
-                (self.names.get(id(p), "?"), tuple(p.to_local().shape), str(p.dtype))
-                for p in u.params
-            ]
-            for u in self.units
-        ]
-        topo = self.topo
-        everyone: list[Any] = [None] * topo.world_size
-        dist.all_gather_object(everyone, mine, group=topo.group("control"))
-        for rank, layout in enumerate(everyone):
-            ref = self._reference(rank)
-            if layout == everyone[ref]:
-                continue
-            where = self._first_difference(layout, everyone[ref])
-            raise ValueError(
-                f"cloudtrain.fully_shard: rank {rank} (region "
-                f"{topo.rank_regions[rank]}) shards the model differently from rank {ref} "
-                f"(region {topo.rank_regions[ref]}), which holds the same shard: {where}. Every "
-                "region must shard the same model with the same units: the same fully_shard "
-                "calls, in the same order, with the same shard_placement_fn"
-            )
-
-    @staticmethod
-    def _first_difference(a: list[Any], b: list[Any]) -> str:
-        if len(a) != len(b):
-            return f"{len(a)} units against {len(b)}"
-        for i, (ua, ub) in enumerate(zip(a, b, strict=True)):
-            if ua != ub:
-                return f"unit {i} holds {ua} against {ub}"
-        return "?"
-
-    def _reference(self, rank: int) -> int:
-        """The rank of the first region that holds the same shard as `rank`."""
-        members = self.topo.members
-        region = next(r for r, m in enumerate(members) if rank in m)
-        return members[0][members[region].index(rank)]
-
     def shard_numels(self) -> list[int]:
         """Elements of this rank's shard of every unit."""
         return [u.numel() for u in self.units]
@@ -439,137 +270,6 @@ class ShardedComm:
             sharded=True,
         )  # fmt: skip
 
-    # -- every step --------------------------------------------------------------------------------
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if not self.ready:
-            self.set_up()
-        if self.outer is not None and module.training and torch.is_grad_enabled():
-            self.outer.catch_up()  # where AMP skipped this region's last step (OuterLoop)
-
-    def _reduced(self, unit: Unit) -> None:
-        """FSDP's all-reduce hook: `unit` was just reduce-scattered in the region; the unit
-        reduced before it is final now."""
-        if self._relay.error is not None:
-            raise self._relay.error
-        if not self._queued:
-            # runs after FSDP's own end of backward (queued at the start of backward)
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self._queued = True
-        try:
-            if self._reducing is not None and self.crosses and not self._reducing.offload:
-                self._issue(self._reducing)
-            self._reducing = unit
-            self._owed.add(unit.index)
-        except Exception as e:
-            raise self._relay.fail(e) from None
-
-    def _issue(self, unit: Unit) -> None:
-        """Hand `unit`'s final gradient shard to the communication thread, if it syncs now."""
-        if not unit.syncs or unit.index not in self._owed:
-            return
-        if any(u is unit for u, _ in self._issued):
-            return
-        if not self._issued:
-            self._begin()
-        self._owed.discard(unit.index)
-        plan, step, scale = self.plan, self.step, 1.0 / self.regions
-        where = f" at step {step}, unit {unit.index}"
-
-        def issue() -> Any:
-            flat = unit.flat_grad(scale)
-            if flat.numel() == 0:  # FSDP left this shard empty (in every region alike)
-                return None
-            return self.path.issue(flat, plan, step, unit.index, where, flat.numel())
-
-        self._submit(issue, unit)
-
-    def _submit(self, work: Any, unit: Unit | None) -> torch.futures.Future:
-        cuda = self.device.type == "cuda"
-        # on a GPU, waiting for the future orders the current stream after the thread's
-        fut: torch.futures.Future = torch.futures.Future(devices=[self.device] if cuda else None)
-        job = _Job(work, fut)
-        if cuda:
-            # the current stream is where FSDP wrote the gradients this job reads
-            job.ready = torch.cuda.Event()
-            job.ready.record()
-        self._thread.put(job)
-        if unit is not None:
-            self._issued.append((unit, fut))
-        return fut
-
-    def _begin(self) -> None:
-        """At a step's first exchange: the replica check when due, and the step's plan."""
-        every = self.config.verify_every
-        if every and self.step and self.step % every == 0:
-            self.verify_replicas()
-        if self.controller is not None and self.controller.due(self.step):
-            self.plan = next_plan(self.controller, self.path, self.step, self.shard_numels())
-
-    def _end_backward(self) -> None:
-        """Queued on the autograd engine at the first reduction of a backward: hand over what is
-        left, wait for this step's sums (or, pipelined, step t - s's) and write them into the
-        gradient shards. Errors are raised as themselves, from backward()."""
-        self._queued = False
-        last, self._reducing = self._reducing, None
-        due = [u for u in self.units if u.index in self._owed and u.syncs]
-        if last is not None and last.syncs:
-            due = [last] + [u for u in due if u is not last]
-        if not due and not self._issued:
-            return  # a micro-step: FSDP accumulates, nothing crosses
-        try:
-            if self._relay.error is not None:
-                raise self._relay.error
-            if self.crosses:
-                self._exchange_rest(due)
-            else:
-                self._owed.difference_update(u.index for u in due)
-            self._end_step()
-        except Exception as e:
-            self._issued = []
-            raise self._relay.fail(e) from None
-
-    def _exchange_rest(self, due: Sequence[Unit]) -> None:
-        for unit in due:
-            self._issue(unit)
-        issued, self._issued = self._issued, []
-        if self.path.observer is not None:
-            self.path.observer.compute_finished()
-        plan, step = self.plan, self.step
-        pipelined = plan.staleness > 0 or bool(self.pipeline)
-
-        def collect() -> None:
-            # unit by unit, each sum written as soon as it is in: one unit's sum at a time
-            for unit, fut in issued:
-                swap = fut.value()
-                if swap is None:
-                    continue
-                if pipelined:
-                    summed = self._pipelined(unit, swap, plan, step)
-                else:
-                    summed = self.path.collect(swap)
-                check_finite(self.config, summed, step, unit.index)
-                unit.write_grad(summed)
-
-        self._submit(collect, None).wait()
-        if self.path.observer is not None:
-            self.path.observer.step_started()
-
-    def _pipelined(self, unit: Unit, swap: Any, plan: Plan, step: int) -> torch.Tensor:
-        """Staleness s > 0: this step's swap waits in the pipeline; what the unit gets is the sum
-        of step t - s (zeros in the first s steps: nothing is applied yet)."""
-        layout = ((unit.index, 0, swap.m),)
-        self.pipeline.add(step, layout, swap)
-        buf = torch.zeros(swap.m, device=swap.device)
-        self.pipeline.apply_due(step - plan.staleness, layout, buf, self.path.collect)
-        return buf
-
-    def _end_step(self) -> None:
-        self.step += 1
-        stats = self.path.stats
-        stats.steps += 1
-        if self.crosses:
-            stats.compressed_steps += 1
-
     # -- checks, state, end ----------------------------------------------------------------------
     def verify_replicas(self) -> None:
         """Raise ReplicaMismatch unless every shard is bit-identical in every region (all ranks
@@ -579,7 +279,12 @@ class ShardedComm:
         names = [name for name, _ in self.root.named_parameters()]
         tensors = [p.to_local() if isinstance(p, DTensor) else p for p in params]
         verify_replicas(
-            tensors, names, self.topo, self.step, self.config.timeout_s, self._reference
+            tensors,
+            names,
+            self.topo,
+            self.step,
+            self.config.timeout_s,
+            lambda rank: reference(self.topo, rank),
         )
 
     def stats(self) -> CommStats:
@@ -747,7 +452,7 @@ def fully_shard(
     fresh = comm is None
     if comm is None:
         comm = ShardedComm(config or CompressionConfig.resolve(AUTO))
-    _check_mesh(mesh, comm.mesh)
+    check_mesh(mesh, comm.mesh)
     if "process_group" in fsdp_kwargs or "dp_mesh_dims" in fsdp_kwargs:
         raise ValueError(
             "cloudtrain.fully_shard makes its own mesh from the regions; do not pass "
