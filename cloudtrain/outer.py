@@ -257,6 +257,23 @@ def _local_shard(p: torch.Tensor) -> torch.Tensor:
     return p.to_local()
 
 
+def _check_fragments(numel: int, fragments: int, cut: int) -> None:
+    if numel < fragments * cut:
+        raise ValueError(
+            f"outer.fragments={fragments}: the model's {numel} parameters cannot be cut into "
+            f"{fragments} fragments of {cut} shard(s) each; use fewer"
+        )
+
+
+def fixed_schedule(outer: OuterConfig, topo: Topology) -> Schedule | None:
+    """The schedule when there is nothing to choose (H and the codec given, or one region);
+    None: it is chosen after DECIDE_AFTER steps."""
+    if outer.sync_every == AUTO or (outer.codec == AUTO and not topo.single_region):
+        return None
+    rung = ("none", None) if outer.codec == AUTO else (outer.codec, outer.level)
+    return Schedule(outer.sync_every, (rung,) * len(topo.regions), 0.0, True)
+
+
 def check_optimizer(optimizer: Any, params: Sequence[torch.Tensor]) -> None:
     """The inner optimizer must be a torch optimizer holding every trainable parameter."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -290,10 +307,8 @@ class OuterLoop:
     ) -> None:
         """`steps()`: the gradient syncs done so far (the hook's step count) - the clock of the
         schedule, the same on every rank even where an optimizer step was skipped. `sharded`:
-        the parameters are FSDP's (cloudtrain.sharded), each rank holding its own shard of them:
-        the outer copy, momentum and residuals are of that shard only, and a rank exchanges its
-        whole shard with the same shard's owners in the other regions (nothing is cut or
-        gathered inside the region)."""
+        FSDP's parameters (cloudtrain.sharded): the outer state is of this rank's shard, swapped
+        whole with its owners in the other regions."""
         outer = config.outer
         if not isinstance(outer, OuterConfig):
             raise ValueError("OuterLoop needs a CompressionConfig with outer=OuterConfig(...)")
@@ -304,14 +319,8 @@ class OuterLoop:
         self.sharded = sharded
         self.parts = Fragments(self.params, outer.fragments, _local_shard if sharded else None)
         self.numel, self.fragments = self.parts.numel, outer.fragments
-        self.cut = 1 if sharded else topo.shards
-        """Pieces a region's pseudo-gradient is cut into, one per shard owner (1: each rank
-        already holds its own shard)."""
-        if self.numel < self.fragments * self.cut:
-            raise ValueError(
-                f"outer.fragments={self.fragments}: the model's {self.numel} parameters cannot be "
-                f"cut into {self.fragments} fragments of {self.cut} shard(s) each; use fewer"
-            )
+        self.cut = 1 if sharded else topo.shards  # pieces of a region's pseudo-gradient
+        _check_fragments(self.numel, self.fragments, self.cut)
         dtype = outer.torch_dtype
         # host_copy: the outer state in host memory (INTELLECT-1); a sync moves one fragment
         self.home = torch.device("cpu") if outer.host_copy else None
@@ -327,11 +336,7 @@ class OuterLoop:
         self.flights: dict[int, _FragmentSync] = {}
         self._times: list[float] = []
         self._last = time.perf_counter()
-        self.schedule: Schedule | None = None
-        regions = len(topo.regions)
-        if outer.sync_every != AUTO and (outer.codec != AUTO or topo.single_region):
-            rung = ("none", None) if outer.codec == AUTO else (outer.codec, outer.level)
-            self.schedule = Schedule(outer.sync_every, (rung,) * regions, 0.0, True)
+        self.schedule = fixed_schedule(outer, topo)
         self.codecs = Codecs(config)
         self.links: list[LinkEstimate] | None = None
         if self.schedule is None and not topo.single_region:

@@ -46,7 +46,7 @@ def shard(model: CharLM, config: cloudtrain.CompressionConfig | None) -> None:
     cloudtrain.fully_shard(model, config=config)
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="auto")
     ap.add_argument("--regions", default="env")
@@ -58,8 +58,11 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=None, help="the outer loop's H")
     ap.add_argument("--ckpt", default=None, help="a folder: save every 50 steps, resume")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def main() -> None:
+    args = arguments()
     cloudtrain.init()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     text = stdlib_text(400_000)

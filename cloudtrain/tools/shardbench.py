@@ -32,12 +32,12 @@ def _worker(mode: str, width: int, layers: int, steps: int) -> None:
 
     import cloudtrain
 
-    from .memory import _model
+    from .memory import transformer
 
     torch.set_num_threads(1)
     cloudtrain.init()
     rank = torch.distributed.get_rank()
-    model = _model(width, layers)
+    model = transformer(width, layers)
     comm = None
     if mode == "hsdp":
         from torch.distributed.fsdp import fully_shard
@@ -68,7 +68,7 @@ def _worker(mode: str, width: int, layers: int, steps: int) -> None:
         out["cloudtrain_wan_bytes"] = stats.wan_bytes_sent
         out["plan"] = repr(comm.plan)
         comm.close()
-    out["params"] = sum(p.numel() for p in _model(width, layers).parameters())
+    out["params"] = sum(p.numel() for p in transformer(width, layers).parameters())
     print(json.dumps(out), flush=True)
     torch.distributed.destroy_process_group()
 
