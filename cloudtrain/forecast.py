@@ -12,10 +12,11 @@ tokens / (the GPU's peak x `mfu`) - or a measured step time), the cluster (regio
 instance types; the instance's GPUs from PRICES), the links (Mbit/s and RTT per direction of
 every region pair), and a dated price table (PRICES, overridable by a file).
 
-Modes: DDP (a ring all-reduce across regions, fp32 and fp16), per-step "auto" (the cost model's
-rung per link under the quality guard's first ceiling, 4-bit: sparse rungs come only after a trial
-keeps quality; and with them), and the outer loop (H and codec as `sync_every="auto"` chooses them,
-and the diloco-4bit preset). What it leaves out: activations (give `activation_gb`), overlap of
+Modes: DDP (a ring all-reduce across regions, fp32 and fp16; FSDP2 HSDP with `shard`), per-step
+"auto" (the cost model's rung per link under the quality guard's first ceiling, 4-bit: sparse rungs
+come only after a trial keeps quality; and with them), and the outer loop (by default diloco, H
+and codec as `sync_every="auto"` chooses them, and the diloco-4bit preset; any outer preset, H
+fixed or not, with `outer=`). What it leaves out: activations (give `activation_gb`), overlap of
 the all-reduce with backward beyond the cost model's hidden share, stragglers, the CPU of the
 codecs (small on GPUs), quality (the outer loop changes the algorithm; docs/quality.md).
 """
@@ -190,12 +191,33 @@ class Workload:
     """Activation memory per GPU, if known (not modelled)."""
     intra_gbit: float = 100.0
     """Bandwidth inside a region (EFA / NVLink across hosts), Gbit/s."""
+    shard: bool = False
+    """FSDP inside each region (cloudtrain.fully_shard; FSDP2 HSDP for DDP's rows): the model's
+    state and cloudtrain's are divided among the region's GPUs."""
 
     def __post_init__(self) -> None:
         if not (self.params >= 1):
             raise ValueError(f"params={self.params!r}: the model's parameter count, e.g. 7e9")
         if (self.tokens_per_gpu is None) == (self.step_s is None):
             raise ValueError("give the compute per step as tokens_per_gpu or as a measured step_s")
+
+
+OUTER_MODES = ("diloco", "diloco-4bit")
+"""The outer-loop rows by default: diloco's H and codec chosen for the links, and diloco-4bit."""
+
+
+def outer_mode(text: str) -> tuple[str, int | None]:
+    """ "PRESET" or "PRESET@H" (H fixed, e.g. "diloco-int8@100") -> (preset, H or None)."""
+    preset, _, every = text.partition("@")
+    try:
+        cfg = CompressionConfig.resolve(preset).outer
+    except ValueError as e:
+        raise ValueError(f"outer mode {text!r}: {e}") from None
+    if cfg is None:
+        raise ValueError(f"outer mode {text!r}: {preset!r} is not an outer-loop preset (diloco...)")
+    if every and not (every.isdigit() and int(every) > 0):
+        raise ValueError(f"outer mode {text!r}: after @ give H, the steps between syncs, e.g. @100")
+    return preset, int(every) if every else None
 
 
 @dataclass
@@ -290,10 +312,13 @@ def forecast(
     cluster: Cluster,
     links: Mapping[tuple[str, str], Link],
     prices: dict[str, Any] | None = None,
+    outer: Sequence[str] = OUTER_MODES,
 ) -> Forecast:
-    """Every mode's step time, traffic, dollars and memory per GPU (module docstring)."""
+    """Every mode's step time, traffic, dollars and memory per GPU (module docstring); `outer`:
+    the outer-loop rows (`outer_mode`'s form)."""
     prices = prices or PRICES
     _check(cluster, links, prices)
+    modes = [outer_mode(text) for text in outer]
     kinds = [prices["instances"][r.instance_type] for r in cluster.regions]
     gpus = [k[1] * r.hosts for k, r in zip(kinds, cluster.regions, strict=True)]
     memory, peak = min(GPUS[k[0]][0] for k in kinds), min(GPUS[k[0]][1] for k in kinds)
@@ -304,12 +329,13 @@ def forecast(
     ctx = _Context(workload, cluster, links, prices, gpus, compute)
     rows = [ctx.ddp(4), ctx.ddp(2)]
     if len(cluster.regions) > 1:
-        rows += [*ctx.auto(), ctx.outer(AUTO), ctx.outer("diloco-4bit")]
+        rows += [*ctx.auto(), *(ctx.outer(preset, every) for preset, every in modes)]
     for row in rows:
         row.fits = row.memory_gb + workload.activation_gb <= 0.9 * memory
     result = Forecast(rows, memory, prices["date"], [
         f"{sum(gpus)} GPUs, compute {1000 * compute:.0f} ms/step",
-        "memory: weights, gradients, AdamW and cloudtrain's state; activations not modelled"
+        ("memory: sharded inside each region (FSDP), " if workload.shard else "memory: ")
+        + "weights, gradients, AdamW and cloudtrain's state; activations not modelled"
         if not workload.activation_gb else f"memory includes {workload.activation_gb} GB activations",
     ])  # fmt: skip
     if not any(r.fits for r in rows):
@@ -452,11 +478,17 @@ class _Context:
             int(self.workload.params), sum(self.gpus), links, self.shards, self.compute, intra
         )
 
+    def memory_gb(self, cloudtrain_bytes: float) -> float:
+        """Per GPU: the model's state (weights, gradients, AdamW) and `cloudtrain_bytes` per
+        parameter of cloudtrain's own; sharded, both are divided among the region's GPUs."""
+        per_param = STATE_BYTES + cloudtrain_bytes
+        return per_param * self.workload.params / (self.shards if self.workload.shard else 1) / 1e9
+
     def ddp(self, nbytes_per_param: int) -> ModeForecast:
         step, wan = predict_ddp(self.setting(), nbytes_per_param)
-        mode = "DDP" if nbytes_per_param == 4 else "DDP + fp16 hook"
-        mem = STATE_BYTES * self.workload.params / 1e9
-        return self.row(mode, None, step, wan, mem, "")
+        mode = "HSDP (FSDP2)" if self.workload.shard else "DDP"
+        mode += "" if nbytes_per_param == 4 else " + fp16 hook"
+        return self.row(mode, None, step, wan, self.memory_gb(0), "")
 
     def auto(self) -> list[ModeForecast]:
         """Per-step "auto": the cost model's rung per link, synchronous (the quality guard
@@ -464,7 +496,7 @@ class _Context:
         setting = self.setting()
         model = setting.cost_model()
         rows = []
-        mem = (STATE_BYTES * self.workload.params + 4 * self.workload.params / self.shards) / 1e9
+        mem = self.memory_gb(4 if self.workload.shard else 4 / self.shards)  # the residuals
         for label, ceiling in (
             ("≤ 4-bit: the guard's start", first_ceiling(LADDER)),
             ("sparse rungs kept", len(LADDER) - 1),
@@ -476,10 +508,13 @@ class _Context:
             rows.append(self.row(f'per-step "auto" ({label})', config, step, wan, mem, levels))
         return rows
 
-    def outer(self, preset: str) -> ModeForecast:
-        """The outer loop: H and codec as outer.choose_schedule picks them (or the preset's)."""
+    def outer(self, preset: str, sync_every: int | None = None) -> ModeForecast:
+        """The outer loop of `preset`: H and codec as outer.choose_schedule picks them where the
+        preset leaves them to it; `sync_every` fixes H."""
         setting = self.setting()
-        cfg = CompressionConfig.resolve("diloco" if preset == AUTO else preset).outer
+        cfg = CompressionConfig.resolve(preset).outer
+        if sync_every is not None:
+            cfg = dataclasses.replace(cfg, sync_every=sync_every)
         codecs = Codecs(CompressionConfig())
         ladder = OUTER_LADDER if cfg.codec == AUTO else ((cfg.codec, cfg.level),)
         sched = choose_schedule(
@@ -487,10 +522,14 @@ class _Context:
             codecs.wire_nbytes, cfg.sync_every, ladder,
         )  # fmt: skip
         step, wan = predict_outer(setting, sched.sync_every, sched.rungs)
-        state = 4 + (4 if cfg.outer_momentum > 0 else 0) + 4 / self.shards
-        mem = (STATE_BYTES + state) * self.workload.params / 1e9
-        name = f"outer loop ({'diloco' if preset == AUTO else preset})"
-        chosen = dataclasses.replace(cfg, sync_every=sched.sync_every) if preset == AUTO else cfg
-        config = CompressionConfig.resolve("diloco", outer=chosen).to_dict()
+        # the outer copy, its momentum, and the residuals (of a shard, unless sharded)
+        state = (
+            4
+            + (4 if cfg.outer_momentum > 0 else 0)
+            + (4 if self.workload.shard else 4 / self.shards)
+        )
+        name = f"outer loop ({preset}{'' if sync_every is None else f', H={sync_every}'})"
+        chosen = dataclasses.replace(cfg, sync_every=sched.sync_every)
+        config = CompressionConfig.resolve(preset, outer=chosen).to_dict()
         detail = f"H={sched.sync_every}, {', '.join(describe(r) for r in sched.rungs)}"
-        return self.row(name, config, step, wan, mem, detail)
+        return self.row(name, config, step, wan, self.memory_gb(state), detail)

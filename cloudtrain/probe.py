@@ -174,26 +174,28 @@ def probe(
     repeats: int = 3,
     start_bytes: int = START_BYTES,
     pairs: Sequence[tuple[int, int]] | None = None,
+    region: Sequence[int] | None = None,
 ) -> LinkMatrix:
     """All ranks of `group` (a gloo group; default: the world) call this; all get the matrix,
     indexed by rank within the group. `pairs`: the (i, j) to measure (default: all); the others
-    are left as zeros for `expand` to fill."""
+    are left as zeros for `expand` to fill. `region`: each rank's region, where known: pairs
+    that share no link are then measured at the same time (`rounds`)."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     ranks = list(range(world))
     global_rank = [dist.get_global_rank(group, r) if group is not None else r for r in ranks]
-    wanted = set(pairs) if pairs is not None else None
+    if pairs is None:
+        pairs = [(i, j) for i in ranks for j in ranks if i != j]
     mine: dict[int, tuple[float, float]] = {}
     sent = 0
-    for i in ranks:
-        for j in ranks:
-            if i == j or (wanted is not None and (i, j) not in wanted):
-                continue
-            samples = _measure(
-                global_rank[i], global_rank[j], group, max_seconds, max_bytes, repeats, start_bytes
-            )
-            if me == i:
-                mine[j] = fit_measured(samples)
-                sent += min(WARMUP_BYTES, max_bytes) + sum(b for b, _ in samples)
+    for i, j in (pair for batch in rounds(pairs, region) for pair in batch):
+        if me not in (i, j):  # measured by others, alone or beside this rank's pair of the round
+            continue
+        samples = _measure(
+            global_rank[i], global_rank[j], group, max_seconds, max_bytes, repeats, start_bytes
+        )
+        if me == i:
+            mine[j] = fit_measured(samples)
+            sent += min(WARMUP_BYTES, max_bytes) + sum(b for b, _ in samples)
     rows: list[Any] = [None] * world
     dist.all_gather_object(rows, mine, group=group)
     alpha = tuple(tuple(rows[i].get(j, (0.0, math.inf))[0] for j in ranks) for i in ranks)
@@ -201,11 +203,51 @@ def probe(
     return LinkMatrix(alpha, beta, sent)
 
 
+def rounds(
+    pairs: Sequence[tuple[int, int]], region: Sequence[int] | None = None
+) -> list[list[tuple[int, int]]]:
+    """The pairs in rounds whose pairs are measured at the same time, in order (each pair in the
+    first round that has room). Without `region` (a region per rank) every pair is a round of
+    its own: two flows could share a bottleneck no one knows. With it, the pairs of a round share
+    no rank, no sending region's uplink, no receiving region's downlink and no region inside:
+    each rank goes through its own pairs in round order, so none waits for another's partner.
+    Every rank computes the same rounds."""
+    if region is None:
+        return [[pair] for pair in pairs]
+
+    def uses(i: int, j: int) -> set[tuple[str, int]]:
+        r, q = region[i], region[j]
+        links = {("in", r)} if r == q else {("up", r), ("down", q)}
+        return links | {("rank", i), ("rank", j)}
+
+    out: list[list[tuple[int, int]]] = []
+    busy: list[set[tuple[str, int]]] = []
+    for i, j in pairs:
+        need = uses(i, j)
+        k = next((k for k, b in enumerate(busy) if not need & b), len(out))
+        if k == len(out):
+            out.append([])
+            busy.append(set())
+        out[k].append((i, j))
+        busy[k] |= need
+    return out
+
+
+def _region_pair(a: Sequence[int], b: Sequence[int], forward: bool) -> tuple[int, int]:
+    """The ranks that stand for the link from region a to region b: the first ranks one way,
+    the last ranks the other way, so that both directions can be measured at once."""
+    return (a[0], b[0]) if forward else (a[-1], b[-1])
+
+
 def representative_pairs(members: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-    """With regions known, the links that stand for all: between every two regions' first
-    ranks, both ways, and inside each region of several ranks its first to its second."""
-    leaders = [m[0] for m in members]
-    out = [(a, b) for a in leaders for b in leaders if a != b]
+    """With regions known, the links that stand for all: between every two regions both ways
+    (`_region_pair`), and inside each region of several ranks its first to its second and back."""
+    out = [
+        _region_pair(members[r], members[q], r < q)
+        for r in range(len(members))
+        for q in range(len(members))
+        if r != q
+    ]
     return (
         out
         + [(m[0], m[1]) for m in members if len(m) > 1]
@@ -215,12 +257,15 @@ def representative_pairs(members: Sequence[Sequence[int]]) -> list[tuple[int, in
 
 def expand(links: LinkMatrix, members: Sequence[Sequence[int]]) -> LinkMatrix:
     """A matrix measured on `representative_pairs` for every pair: a link between two regions
-    is their first ranks' link, one inside a region its first to its second rank's."""
+    is the link measured between them that way, one inside a region its first to its second
+    rank's."""
     region = {rank: r for r, m in enumerate(members) for rank in m}
 
     def source(i: int, j: int) -> tuple[int, int]:
-        a, b = members[region[i]], members[region[j]]
-        return (a[0], b[0]) if region[i] != region[j] else (a[0], a[1])
+        r, q = region[i], region[j]
+        if r != q:
+            return _region_pair(members[r], members[q], r < q)
+        return (members[r][0], members[r][1])
 
     n = links.world_size
     pick = {(i, j): source(i, j) for i in range(n) for j in range(n) if i != j}

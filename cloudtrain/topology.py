@@ -165,11 +165,17 @@ class Topology:
 
     def probe(self) -> LinkMatrix:
         """Measure the links now (all ranks call), and keep the result: with the regions known,
-        the links that stand for all (probe.representative_pairs: between the regions' first
-        ranks, and one inside each region), the rest copied from them. Logged on rank 0."""
+        the links that stand for all (probe.representative_pairs: each way between every two
+        regions, and one inside each region; those that share no link at the same time), the
+        rest copied from them. Logged on rank 0."""
         t0 = time.perf_counter()
         pairs = representative_pairs(self.members)
-        self.links = expand(probe(self.group("control"), pairs=pairs), self.members)
+        region = [0] * self.world_size
+        for r, members in enumerate(self.members):
+            for rank in members:
+                region[rank] = r
+        measured = probe(self.group("control"), pairs=pairs, region=region)
+        self.links = expand(measured, self.members)
         if self.rank == 0:
             leaders = [m[0] for m in self.members]
             seen = ", ".join(

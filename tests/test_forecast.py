@@ -5,6 +5,7 @@ cluster's plan module accepts (real Terraform)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -55,6 +56,23 @@ def test_modes_are_the_controllers_and_the_outer_loops_own_choices():
     assert outer.config["outer"]["sync_every"] == sched.sync_every
     assert outer.wan_gb_per_1000 < guarded.wan_gb_per_1000 < result["DDP"].wan_gb_per_1000
     assert forecast(MODEL, TWO, US_EU).recommended.mode.startswith("outer loop")
+
+
+def test_sharded_memory_is_divided_by_the_regions_gpus_and_outer_rows_take_any_preset():
+    ten_b = Workload(10e9, step_s=22.8)
+    with pytest.raises(ValueError, match="fits no mode: 160 GB per GPU"):
+        forecast(ten_b, TWO, US_EU)  # 16 bytes a parameter on every GPU
+    sharded = dataclasses.replace(ten_b, shard=True)
+    result = rows(forecast(sharded, TWO, US_EU, outer=["diloco-int8@100", "diloco"]))
+    assert result["HSDP (FSDP2)"].memory_gb == pytest.approx(16 * 10e9 / 16 / 1e9)  # 16 GPUs
+    fixed = result["outer loop (diloco-int8, H=100)"]
+    assert fixed.detail.startswith("H=100, 8-bit") and fixed.config["outer"]["sync_every"] == 100
+    # the outer copy and the residuals of the rank's shard: 4 + 4 bytes more, divided as well
+    assert fixed.memory_gb == pytest.approx((16 + 4 + 4) * 10e9 / 16 / 1e9)
+    assert fixed.fits and "outer loop (diloco)" in result
+    for bad, message in (("topk-1pct", "not an outer-loop preset"), ("diloco@x", "give H")):
+        with pytest.raises(ValueError, match=message):
+            forecast(sharded, TWO, US_EU, outer=[bad])
 
 
 def test_a_single_region_has_no_cross_region_modes():

@@ -18,13 +18,14 @@ import pytest
 from distributed import spawn_in_regions
 from support import EMULATOR_MACHINE
 
+from cloudtrain.probe import LinkMatrix, expand, representative_pairs, rounds
 from cloudtrain.tools import netem
 from cloudtrain.tools.netem import Emulator, teardown
 
-pytestmark = [
-    pytest.mark.skipif(not EMULATOR_MACHINE, reason="the WAN emulator needs root and iproute2"),
-    pytest.mark.timeout(240),
-]
+pytestmark = pytest.mark.timeout(240)
+emulated = pytest.mark.skipif(
+    not EMULATOR_MACHINE, reason="the WAN emulator needs root and iproute2"
+)
 
 PROBE = """
 import json, torch.distributed as dist
@@ -56,6 +57,7 @@ def run_probe(wan: Emulator) -> dict:
     return json.loads(outs[0].strip().splitlines()[-1])
 
 
+@emulated
 def test_probe_measures_the_shaped_rate_within_15_percent(wan_name):
     with Emulator({"us": 1, "eu": 1}, mbit=100, name=wan_name) as wan:
         result = run_probe(wan)
@@ -64,6 +66,7 @@ def test_probe_measures_the_shaped_rate_within_15_percent(wan_name):
         assert 85 <= mbit <= 115, f"link {i}->{j} measured at {mbit:.1f} Mbit/s, shaped at 100"
 
 
+@emulated
 def test_clustering_on_measurements_recovers_the_regions(wan_name):
     with Emulator({"us": 2, "eu": 2}, mbit={"us": 100, "eu": 200}, name=wan_name) as wan:
         result = run_probe(wan)
@@ -73,6 +76,7 @@ def test_clustering_on_measurements_recovers_the_regions(wan_name):
     assert inside > 5 * cross, (inside, cross)
 
 
+@emulated
 def test_probe_command_fits_the_emulated_rtt_within_10_percent(wan_name):
     """`cloudtrain probe --netem`: 80 ms between the regions, none inside one."""
     up = [sys.executable, "-m", "cloudtrain.cli", "netem", "up", "--regions", "us:2,eu:2",
@@ -94,3 +98,40 @@ def test_probe_command_fits_the_emulated_rtt_within_10_percent(wan_name):
                 assert 72 <= fitted[i][j] <= 88, (i, j, fitted)
             elif i != j:
                 assert rtt[i][j] == 0 and fitted[i][j] < 8, (i, j, fitted)
+
+
+def test_rounds_share_no_rank_and_no_link_and_keep_every_pair_once():
+    members = [[0, 1], [2, 3], [4, 5]]
+    region = [0, 0, 1, 1, 2, 2]
+    pairs = representative_pairs(members)
+    assert len(pairs) == 6 + 6  # each way between every two regions, two inside each
+    batches = rounds(pairs, region)
+    assert sorted(p for b in batches for p in b) == sorted(pairs)
+    for batch in batches:
+        ranks = [r for pair in batch for r in pair]
+        assert len(ranks) == len(set(ranks)), batch
+        ups = [region[i] for i, j in batch if region[i] != region[j]]
+        downs = [region[j] for i, j in batch if region[i] != region[j]]
+        assert len(ups) == len(set(ups)) and len(downs) == len(set(downs)), batch
+    assert len(batches) < len(pairs)  # some are measured at once
+    # 2 regions x 2: both directions across at once, then each region's inside pairs together
+    assert rounds(representative_pairs([[0, 1], [2, 3]]), [0, 0, 1, 1]) == [
+        [(0, 2), (3, 1)],
+        [(0, 1), (2, 3)],
+        [(1, 0), (3, 2)],
+    ]
+    # regions unknown: one pair at a time (two flows might share a link no one knows)
+    assert rounds([(0, 1), (2, 3)]) == [[(0, 1)], [(2, 3)]]
+
+
+def test_expand_takes_each_link_from_the_pair_that_measured_it():
+    members = [[0, 1], [2, 3]]
+    n = 4
+    beta = [[float(10 * i + j) if (i, j) in representative_pairs(members) else 0.0
+             for j in range(n)] for i in range(n)]  # fmt: skip
+    alpha = [[0.0] * n for _ in range(n)]
+    links = expand(LinkMatrix(tuple(map(tuple, alpha)), tuple(map(tuple, beta)), 0), members)
+    assert links.beta[0][2] == links.beta[1][3] == 2.0  # us -> eu: measured 0 -> 2
+    assert links.beta[2][0] == links.beta[3][1] == 31.0  # eu -> us: measured 3 -> 1
+    assert links.beta[1][0] == links.beta[0][1] == 1.0  # inside us: 0 -> 1
+    assert links.beta[3][2] == 23.0  # inside eu: 2 -> 3

@@ -225,7 +225,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     if compute is not None:
         for row, run in zip(rows, runs, strict=True):
             row["predicted_step_ms"], row["predicted_wan_mb_per_step"] = _predict(
-                run, compute, links, wan
+                run, compute, baseline, links, wan, (args.steps, args.warmup)
             )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -239,11 +239,16 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _predict(
-    run: Run, compute: Run, links: Scenario, wan: Any
+    run: Run, compute: Run, ddp: Run | None, links: Scenario, wan: Any, counted: tuple[int, int]
 ) -> tuple[float | None, float | None]:
     """The planner's step time (ms) and WAN MB/step for this row (cloudtrain.forecast), from
     the measured compute step, the row's own measured dense in-region costs and the scenario's
-    links; None where the model has no such mode (PowerSGD, the loopback rows)."""
+    links; None where the model has no such mode (PowerSGD, the loopback rows).
+
+    The outer loop's inner step is DDP's inside a region: its base is DDP's unshaped step (the
+    all-reduce overlapping backward as DDP overlaps it) where the bench ran it. Its syncs are
+    those of the counted steps (`counted`: the run's steps and warm-up) and the run's last one
+    (`finish_outer`), as the measurement counts them."""
     from ..costs import LinkEstimate
     from ..forecast import Setting, predict_ddp, predict_outer, predict_rungs
 
@@ -263,6 +268,11 @@ def _predict(
         intra = stages.get("allreduce", 0.0)
         setting = Setting(run.numel, world, per_owner, shards, compute.step_ms / 1000, intra)
         step, sent = predict_outer(setting, h, [(r[0], _level(r[1])) for r in rungs])
+        steps, warmup = counted
+        share = (steps // h - warmup // h + 1) * h / (steps - warmup)  # syncs run / syncs per H
+        base = compute.step_ms / 1000 + intra if ddp is None else ddp.step_ms / 1000
+        step = base + (step - setting.compute_s - intra) * share
+        sent = [b * share for b in sent]
     else:
         intra = stages.get("intra_reduce", 0.0) + stages.get("intra_gather", 0.0)
         setting = Setting(run.numel, world, per_owner, shards, compute.step_ms / 1000, intra)
@@ -412,15 +422,13 @@ def run(args: argparse.Namespace) -> int:
         args.batch = 2048 if args.scenario == "drop" else 256
     if args.worker:
         return worker(args)
-    if args.quality:
-        return quality.run(args)
     if args.warmup >= args.steps:
         raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
-    report = drive(args)
+    report = quality.drive(args) if args.quality else drive(args)
     if args.json:
         print(json.dumps(report))
     else:
-        print_table(report)
+        (quality.print_table if args.quality else print_table)(report)
     return 0
 
 

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..forecast import Cluster, Link, Workload, forecast, load_prices
+from ..forecast import OUTER_MODES, Cluster, Link, Workload, forecast, load_prices
 
 
 def _links(args: argparse.Namespace, names: list[str]) -> dict[tuple[str, str], Link]:
@@ -114,6 +114,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation-gb", type=float, default=0.0, help="activations per GPU")
     parser.add_argument("--intra-gbit", type=float, default=100.0, help="bandwidth inside a region")
     parser.add_argument(
+        "--shard", action="store_true",
+        help="FSDP inside each region (cloudtrain.fully_shard): state divided by the region's GPUs",
+    )  # fmt: skip
+    parser.add_argument(
+        "--outer", action="append", metavar="PRESET[@H]",
+        help="an outer-loop row (repeatable; default: diloco and diloco-4bit), e.g. diloco-int8@100",
+    )  # fmt: skip
+    parser.add_argument(
         "--cluster", help="REGION=HOSTSxINSTANCE_TYPE,... (spot unless --on-demand)"
     )
     parser.add_argument("--tfvars", help="the cluster from a terraform.tfvars(.json) of terraform/")
@@ -134,9 +142,9 @@ def run(args: argparse.Namespace) -> int:
         links = _links(args, [r.name for r in cluster.regions])
         workload = Workload(
             args.params, args.tokens_per_gpu, None if args.step_ms is None else args.step_ms / 1000,
-            args.mfu, args.activation_gb, args.intra_gbit,
+            args.mfu, args.activation_gb, args.intra_gbit, args.shard,
         )  # fmt: skip
-        result = forecast(workload, cluster, links, prices)
+        result = forecast(workload, cluster, links, prices, args.outer or OUTER_MODES)
     except ValueError as e:
         raise SystemExit(f"cloudtrain plan: {e}") from None
     if args.emit:

@@ -194,12 +194,3 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--wan-rows", nargs="+", choices=list(WAN_ROWS), default=list(WAN_ROWS),
         help="with --quality: the rows run on each scenario's emulated links (default: all)",
     )  # fmt: skip
-
-
-def run(args: argparse.Namespace) -> int:
-    report = drive(args)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
-    return 0
