@@ -3,6 +3,7 @@
     import cloudtrain
     cloudtrain.init()                               # horovodrun, torchrun or a single process
     model = cloudtrain.CloudDDP(model, "auto")       # gradients compressed only across regions
+    cloudtrain.fully_shard(model)                    # or: FSDP2 inside regions (cloudtrain.sharded)
 
 Gradient codecs live in `cloudtrain.compress`. See README.md for the two commands that set up,
 test and demonstrate everything. Names are imported on first use, so the `cloudtrain` command
@@ -21,6 +22,9 @@ _EXPORTS = {
     "CompressionConfig": "config",
     "PRESETS": "config",
     "CloudDDP": "ddp",
+    "fully_shard": "sharded",
+    "device_mesh": "shard_units",
+    "ShardedComm": "sharded",
     "ConfigMismatch": "ddp",
     "ReplicaMismatch": "hook",
     "CommError": "collectives",

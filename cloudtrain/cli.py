@@ -40,6 +40,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "cloudtrain.tools.plan",
         "step time, traffic, dollars and memory of each mode, before provisioning",
     ),
+    "memory": (
+        "cloudtrain.tools.memory",
+        "per-rank memory of CloudDDP and cloudtrain.fully_shard side by side",
+    ),
     "bench": (
         "cloudtrain.tools.bench",
         "DDP, fp16, PowerSGD and CloudDDP side by side over an emulated WAN",

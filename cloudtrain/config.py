@@ -215,6 +215,10 @@ class OuterConfig:
     """dtype of the outer copy, its momentum and the residuals: "float32", or "bfloat16" for
     half their memory."""
 
+    host_copy: bool = False
+    """Keep the outer copy and its momentum in host memory, as INTELLECT-1 does: the accelerator
+    holds the model only, and a sync moves one fragment to and from the host."""
+
     def __post_init__(self) -> None:
         if self.sync_every != AUTO:
             try:
@@ -256,6 +260,8 @@ class OuterConfig:
             raise ValueError(f"outer.error_feedback={self.error_feedback!r} must be True or False")
         if self.dtype not in OUTER_DTYPES:
             raise ValueError(f"outer.dtype={self.dtype!r}; use one of {list(OUTER_DTYPES)}")
+        if not isinstance(self.host_copy, bool):
+            raise ValueError(f"outer.host_copy={self.host_copy!r} must be True or False")
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> OuterConfig:
@@ -628,6 +634,8 @@ class CompressionConfig:
             del fields["elastic"]
         else:  # the Lighthouse's address may differ per region, like the timeout
             fields["elastic"] = dataclasses.replace(fields["elastic"], lighthouse=None)
+        if isinstance(self.outer, OuterConfig) and not self.outer.host_copy:  # likewise
+            fields["outer"] = repr(self.outer).replace(", host_copy=False)", ")")
         text = json.dumps(fields, sort_keys=True, default=repr)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -69,6 +69,24 @@ class Shard:
 
 
 @dataclass
+class Swap:
+    """This rank's packet of one shard, on its way to the owners of the same shard in the other
+    regions (`CrossRegion.issue`), until it is waited for, checked and summed
+    (`CrossRegion.collect`)."""
+
+    step: int
+    plan: Plan
+    bucket: int
+    """The packet id (`CrossRegion.packet_id`)."""
+    m: int
+    """Elements of the shard."""
+    dtype: torch.dtype
+    device: torch.device
+    pending: Pending
+    arrivals: dict[int, tuple[int, float]] = field(default_factory=dict)
+
+
+@dataclass
 class Exchange:
     """A bucket whose exchange across regions was issued (`CrossRegion.start`) and is not yet
     finished (`CrossRegion.finish`)."""
@@ -78,9 +96,8 @@ class Exchange:
     plan: Plan
     shard: Shard
     where: str
-    swap: Pending | None = None
+    swap: Swap | None = None
     """The packets' swap; None when this rank owns no shard (it only takes part in the gather)."""
-    arrivals: dict[int, tuple[int, float]] = field(default_factory=dict)
 
 
 class _Received:
@@ -164,29 +181,15 @@ class CrossRegion:
         shard = self.reduce_in_region(buf, where)
         flight = Exchange(step, index, plan, shard, where)
         if shard.mine is not None:
-            x, m, me = shard.mine, shard.m, self.topo.shard
-            wire = self.encode(
-                x, plan, step, (index, me), self.packet_id(index), valid=shard.n - me * m
-            )
-            flight.swap = self.swap(wire, plan, m, x.dtype, where, flight.arrivals)
+            valid = shard.n - self.topo.shard * shard.m
+            flight.swap = self.issue(shard.mine, plan, step, index, where, valid)
         return flight
 
     def finish(self, flight: Exchange) -> torch.Tensor:
         """Steps 3's second half and 4: wait for the packets, check and sum them, gather in the
         region. Returns the bucket's sum over all ranks (n elements, a view of shard.padded)."""
-        shard, summed = flight.shard, None
-        if flight.swap is not None:
-            with self.stats.timed("exchange"):
-                wires = flight.swap.wait()
-            if self.observer is not None:
-                for region, (nbytes, seconds) in flight.arrivals.items():
-                    self.observer.arrived(region, nbytes, seconds)
-            bucket = self.packet_id(flight.index)
-            with self.stats.timed("decode"):
-                x = shard.mine
-                summed = self.accumulate(
-                    wires, flight.plan, flight.step, bucket, shard.m, x.dtype, x.device
-                )
+        shard = flight.shard
+        summed = None if flight.swap is None else self.collect(flight.swap)
         self.gather_in_region(shard, summed, flight.where)
         return shard.padded[: shard.n]
 
@@ -196,14 +199,33 @@ class CrossRegion:
         """This rank's shard `x` of bucket `index` (n elements in all): compress, swap, sum.
         Returns the sum over regions, float32, on x's device (no reduction or gather in the
         region: for tensors every rank of a region already holds, e.g. pseudo-gradients)."""
-        shard, m = self.topo.shard, x.numel()
-        bucket = self.packet_id(index)
-        wire = self.encode(x, plan, step, (index, shard), bucket, valid=n - shard * m)
+        valid = n - self.topo.shard * x.numel()
+        return self.collect(self.issue(x, plan, step, index, where, valid))
+
+    def issue(
+        self, x: torch.Tensor, plan: Plan, step: int, index: int, where: str, valid: int
+    ) -> Swap:
+        """Step 3's first half for this rank's shard `x` of bucket `index`: encode it with error
+        feedback and issue its swap (`collect` waits for it). Elements from `valid` on are
+        padding."""
+        bucket, m = self.packet_id(index), x.numel()
+        wire = self.encode(x, plan, step, (index, self.topo.shard), bucket, valid=valid)
         arrivals: dict[int, tuple[int, float]] = {}
+        pending = self.swap(wire, plan, m, x.dtype, where, arrivals)
+        return Swap(step, plan, bucket, m, x.dtype, x.device, pending, arrivals)
+
+    def collect(self, swap: Swap) -> torch.Tensor:
+        """Step 3's second half: wait for the packets of `swap`, check, decode and sum them in
+        region order. Returns the sum over regions, float32, on the shard's device."""
         with self.stats.timed("exchange"):
-            wires = self.swap(wire, plan, m, x.dtype, where, arrivals).wait()
+            wires = swap.pending.wait()
+        if self.observer is not None:
+            for region, (nbytes, seconds) in swap.arrivals.items():
+                self.observer.arrived(region, nbytes, seconds)
         with self.stats.timed("decode"):
-            return self.accumulate(wires, plan, step, bucket, m, x.dtype, x.device)
+            return self.accumulate(
+                wires, swap.plan, swap.step, swap.bucket, swap.m, swap.dtype, swap.device
+            )
 
     def packet_id(self, index: int) -> int:
         """The id that names this rank's packets of bucket `index` (with the seed, step and

@@ -65,7 +65,7 @@ def _identity(module: torch.nn.Module, config: CompressionConfig) -> dict[str, A
     }
 
 
-def _check_agreement(module: torch.nn.Module, config: CompressionConfig) -> None:
+def check_agreement(module: torch.nn.Module, config: CompressionConfig) -> None:
     """All ranks compare model and config before the first step; a difference raises, named."""
     mine = _identity(module, config)
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -81,7 +81,7 @@ def _check_agreement(module: torch.nn.Module, config: CompressionConfig) -> None
         if other["config"] != ref["config"]:
             raise ConfigMismatch(
                 f"rank {rank}'s CompressionConfig differs from rank 0's (fingerprint {other['config']} vs "
-                f"{ref['config']}); every rank must pass the same config to CloudDDP"
+                f"{ref['config']}); every rank must pass the same config to CloudDDP (or cloudtrain.fully_shard)"
             )
         a, b = ref["model"], other["model"]
         if len(a) != len(b):
@@ -125,7 +125,7 @@ class CloudDDP(DistributedDataParallel):
         if "process_group" in ddp_kwargs:
             raise ValueError("CloudDDP makes its own process groups; do not pass process_group")
         _check_dense(module)
-        _check_agreement(module, config)
+        check_agreement(module, config)
         super().__init__(module, **ddp_kwargs)
         topo = Topology.discover(config, config.timeout)
         params = list(self.module.parameters())

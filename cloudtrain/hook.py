@@ -6,7 +6,7 @@
 Two paths:
 - plain: one region, or a plan that compresses nothing - scale by 1/world and all-reduce, exactly
   DDP's own hook, issued right away on cloudtrain's own group;
-- compressed: the bucket goes to the communication thread (`_CommThread`, one per CloudDDP),
+- compressed: the bucket goes to the communication thread (`CommThread`, one per CloudDDP),
   which runs the data path (cloudtrain.datapath: reduce-scatter in the region, compressed exchange
   across regions, all-gather) bucket after bucket, so every rank issues the same collectives in
   the same order however DDP's callbacks interleave (PyTorch's PowerSGD hook, which issues from
@@ -19,7 +19,7 @@ steps; cloudtrain.controller) and, when due, replicas are verified. Residuals of
 bucket layouts are kept by cloudtrain.layout.
 
 Errors reach the training loop as what they are (CommError, PacketError, ValueError for NaN;
-`_FailureRelay`): the hook's futures are chained so DDP's C++ side sees a failed future (never an
+`FailureRelay`): the hook's futures are chained so DDP's C++ side sees a failed future (never an
 exception object where a tensor belongs), and a callback queued on the autograd engine re-raises
 the original exception from `backward()`. After an error every later bucket fails at once:
 nothing waits for a collective that will not come.
@@ -70,7 +70,7 @@ class _Job:
     ready: Any = None  # CUDA event recorded when the hook was called
 
 
-class _FailureRelay:
+class FailureRelay:
     """Delivers a failure into `backward()` as itself, and fails every later bucket at once."""
 
     __slots__ = ("_futures", "error")
@@ -124,7 +124,7 @@ def _value(fut: torch.futures.Future) -> torch.Tensor:
     return fut.value()
 
 
-class _CommThread:
+class CommThread:
     """The thread that runs `work` on every compressed bucket, in the order they were put: one
     per CloudDDP, so that every rank issues the same collectives in the same order. `work` may
     complete a bucket later (a step's exchanges are all in flight before the first is waited
@@ -135,8 +135,8 @@ class _CommThread:
 
     def __init__(
         self,
-        work: Callable[[_Job], list[tuple[_Job, torch.Tensor]]],
-        relay: _FailureRelay,
+        work: Callable[[Any], list[tuple[Any, torch.Tensor]]],
+        relay: FailureRelay,
         device: Any,
     ) -> None:
         self._work, self._relay, self.device = work, relay, device
@@ -248,9 +248,9 @@ class CommState:
         )  # fmt: skip
         self.pipeline = Pipeline()
         self.plan = first_plan(config, topo, codecs, self.controller)
-        self._relay = _FailureRelay()
+        self._relay = FailureRelay()
         self._open: list[tuple] = []  # this step's exchanges in flight (synchronous plans)
-        self._thread = _CommThread(self._reduce, self._relay, self.layouts.device)
+        self._thread = CommThread(self._reduce, self._relay, self.layouts.device)
 
     # the data path's parts, as the hook's
     @property
@@ -366,7 +366,7 @@ class CommState:
 
     def _result(self, job: _Job) -> torch.Tensor:
         """A bucket's complete result, checked, as DDP gets it."""
-        _check_finite(self.config, job.buffer, self.step, job.index)
+        check_finite(self.config, job.buffer, self.step, job.index)
         self.layouts.written(job.signature, job.buffer)
         return job.buffer
 
@@ -403,7 +403,7 @@ class CommState:
                 self.stats.add_seconds("allreduce", time.perf_counter() - t0)
                 if last and self.path.observer is not None:
                     self.path.observer.step_started()
-                _check_finite(self.config, result, step, index)
+                check_finite(self.config, result, step, index)
                 self.layouts.written(signature, result)
                 return result
             except Exception as e:
@@ -422,13 +422,7 @@ class CommState:
         if every and self.step and self.step % every == 0:
             self.verify_replicas()
         if self.controller is not None and self.controller.due(self.step):
-            seen = self.path.observer.take(self.stats)
-            if self.probe is not None:
-                seen.quality = self.probe.take()
-            self.plan = self.controller.decide(
-                self.step, seen, self.shard_numels(), self.stats.wan_bytes_sent
-            )
-            self.stats.wan_bytes_sent += self.controller.take_probe_sent()  # a re-probe's
+            self.plan = next_plan(self.controller, self.path, self.step, self.shard_numels())
             if self.plan.lossless:  # compression stops: what it kept back goes into the gradients
                 self.layouts.release_residuals(self.ef)
 
@@ -453,7 +447,8 @@ class CommState:
     # -- checks and state -----------------------------------------------------------------------
     def verify_replicas(self) -> None:
         """Raise ReplicaMismatch unless every rank's parameters are bit-identical to rank 0's."""
-        verify_replicas(self.layouts, self.topo, self.step, self.config.timeout_s)
+        layouts = self.layouts
+        verify_replicas(layouts.params, layouts.names, self.topo, self.step, self.config.timeout_s)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state. With exchanges in flight (staleness > 0) they are finished first -
@@ -485,6 +480,17 @@ class CommState:
             self.plan = self.controller.plan()
 
 
+def next_plan(controller: Any, path: CrossRegion, step: int, shard_numels: Sequence[int]) -> Plan:
+    """At a step the controller is due (all ranks): what the data path saw since the last
+    decision goes to the controller, its plan comes back, and what a re-probe sent is counted."""
+    seen = path.observer.take(path.stats)
+    if path.probe is not None:
+        seen.quality = path.probe.take()
+    plan = controller.decide(step, seen, shard_numels, path.stats.wan_bytes_sent)
+    path.stats.wan_bytes_sent += controller.take_probe_sent()  # a re-probe's
+    return plan
+
+
 def first_plan(config: CompressionConfig, topo: Topology, codecs: Codecs, controller: Any) -> Plan:
     """The plan before any decision: the controller's first, the config's codec, or (one region
     with "auto") nothing compressed."""
@@ -497,7 +503,7 @@ def first_plan(config: CompressionConfig, topo: Topology, codecs: Codecs, contro
     return Plan.same(rung, regions, config.staleness or 0, config.zstd is True)
 
 
-def _check_finite(config: CompressionConfig, result: torch.Tensor, step: int, index: int) -> None:
+def check_finite(config: CompressionConfig, result: torch.Tensor, step: int, index: int) -> None:
     if config.nonfinite == "raise" and not all_finite(result):
         raise ValueError(
             f"cloudtrain: the summed gradient of bucket {index} at step {step} has NaN or Inf "
@@ -506,12 +512,20 @@ def _check_finite(config: CompressionConfig, result: torch.Tensor, step: int, in
         )
 
 
-def verify_replicas(layouts: BucketLayouts, topo: Topology, step: int, timeout_s: float) -> None:
-    """Raise ReplicaMismatch unless every rank's parameters are bit-identical to rank 0's
-    (their CRCs gathered on the control group: every rank calls)."""
-    params = layouts.params
+def verify_replicas(
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str],
+    topo: Topology,
+    step: int,
+    timeout_s: float,
+    reference: Callable[[int], int] = lambda rank: 0,
+) -> None:
+    """Raise ReplicaMismatch unless every rank's `tensors` are bit-identical to those of
+    `reference(rank)` (rank 0 for replicas; for shards, the rank that holds the same shard in the
+    first region). Their CRCs are gathered on the control group: every rank calls."""
+    # a copy: numpy's view of a tensor makes its storage unresizable, and FSDP resizes storage
     sums = [
-        zlib.crc32(p.detach().cpu().contiguous().view(torch.uint8).numpy().data) for p in params
+        zlib.crc32(t.detach().to("cpu", copy=True).view(torch.uint8).numpy().data) for t in tensors
     ]
     gathered: list[Any] = [None] * topo.world_size
     t0 = time.perf_counter()
@@ -524,11 +538,14 @@ def verify_replicas(layouts: BucketLayouts, topo: Topology, step: int, timeout_s
         )  # fmt: skip
         raise CommError(text) from e
     for rank, other in enumerate(gathered):
-        if other != gathered[0]:
-            bad = next(i for i, (a, b) in enumerate(zip(other, gathered[0], strict=True)) if a != b)
+        ref = reference(rank)
+        if other != gathered[ref]:
+            bad = next(
+                i for i, (a, b) in enumerate(zip(other, gathered[ref], strict=True)) if a != b
+            )
             raise ReplicaMismatch(
                 f"cloudtrain: after step {step} rank {rank}'s parameter "
-                f"{layouts.names[bad]!r} differs from rank 0's: replicas diverged"
+                f"{names[bad]!r} differs from rank {ref}'s: replicas diverged"
             )
 
 

@@ -192,9 +192,17 @@ class Fragments:
     size: each fragment's pieces (parameter index, start in it, length), read and written as one
     float32 vector."""
 
-    def __init__(self, params: Sequence[torch.Tensor], count: int) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        count: int,
+        view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """`view(p)`: the tensor of `p` that is read and written (default `p` itself; for a sharded
+        parameter, its local shard - looked up at every use, as FSDP may replace it)."""
         self.params, self.count = list(params), count
-        self.numel = sum(p.numel() for p in self.params)
+        self._view = view or (lambda p: p)
+        self.numel = sum(self._view(p).numel() for p in self.params)
         bounds = [f * self.numel // count for f in range(count + 1)]
         self.pieces = [self._pieces(bounds[f], bounds[f + 1]) for f in range(count)]
 
@@ -202,22 +210,27 @@ class Fragments:
         """(parameter index, start in it, length) covering elements [lo, hi)."""
         out, offset = [], 0
         for i, p in enumerate(self.params):
-            start, end = max(lo, offset), min(hi, offset + p.numel())
+            numel = self._view(p).numel()
+            start, end = max(lo, offset), min(hi, offset + numel)
             if start < end:
                 out.append((i, start - offset, end - start))
-            offset += p.numel()
+            offset += numel
         return out
 
     def local(self, f: int) -> torch.Tensor:
         """Fragment f of the local parameters, float32."""
+        views = [self._view(self.params[i]).detach() for i, _, _ in self.pieces[f]]
         return torch.cat(
-            [self.params[i].detach().reshape(-1)[s : s + n].float() for i, s, n in self.pieces[f]]
+            [
+                v.reshape(-1)[s : s + n].float()
+                for v, (_, s, n) in zip(views, self.pieces[f], strict=True)
+            ]
         )
 
     def write(self, f: int, values: torch.Tensor) -> None:
         at = 0
         for i, s, n in self.pieces[f]:
-            self.params[i].detach().view(-1)[s : s + n].copy_(values[at : at + n])
+            self._view(self.params[i]).detach().view(-1)[s : s + n].copy_(values[at : at + n])
             at += n
 
 
@@ -237,6 +250,28 @@ def outer_step(
         buf = momentum.float()
         update = mean.add(buf, alpha=outer.outer_momentum) if outer.nesterov else buf
     return copy.float().sub_(update, alpha=outer.outer_lr).to(outer.torch_dtype), momentum
+
+
+def _local_shard(p: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) parameter's local shard."""
+    return p.to_local()
+
+
+def _check_fragments(numel: int, fragments: int, cut: int) -> None:
+    if numel < fragments * cut:
+        raise ValueError(
+            f"outer.fragments={fragments}: the model's {numel} parameters cannot be cut into "
+            f"{fragments} fragments of {cut} shard(s) each; use fewer"
+        )
+
+
+def fixed_schedule(outer: OuterConfig, topo: Topology) -> Schedule | None:
+    """The schedule when there is nothing to choose (H and the codec given, or one region);
+    None: it is chosen after DECIDE_AFTER steps."""
+    if outer.sync_every == AUTO or (outer.codec == AUTO and not topo.single_region):
+        return None
+    rung = ("none", None) if outer.codec == AUTO else (outer.codec, outer.level)
+    return Schedule(outer.sync_every, (rung,) * len(topo.regions), 0.0, True)
 
 
 def check_optimizer(optimizer: Any, params: Sequence[torch.Tensor]) -> None:
@@ -267,9 +302,13 @@ class OuterLoop:
         optimizer: torch.optim.Optimizer,
         stats: CommStats,
         steps: Callable[[], int],
+        *,
+        sharded: bool = False,
     ) -> None:
         """`steps()`: the gradient syncs done so far (the hook's step count) - the clock of the
-        schedule, the same on every rank even where an optimizer step was skipped."""
+        schedule, the same on every rank even where an optimizer step was skipped. `sharded`:
+        FSDP's parameters (cloudtrain.sharded): the outer state is of this rank's shard, swapped
+        whole with its owners in the other regions."""
         outer = config.outer
         if not isinstance(outer, OuterConfig):
             raise ValueError("OuterLoop needs a CompressionConfig with outer=OuterConfig(...)")
@@ -277,16 +316,18 @@ class OuterLoop:
         self.params = [p for p in params if p.requires_grad]
         check_optimizer(optimizer, self.params)
         self.optimizer = optimizer
-        self.parts = Fragments(self.params, outer.fragments)
+        self.sharded = sharded
+        self.parts = Fragments(self.params, outer.fragments, _local_shard if sharded else None)
         self.numel, self.fragments = self.parts.numel, outer.fragments
-        if self.numel < self.fragments * topo.shards:
-            raise ValueError(
-                f"outer.fragments={self.fragments}: the model's {self.numel} parameters cannot be "
-                f"cut into {self.fragments} fragments of {topo.shards} shard(s) each; use fewer"
-            )
+        self.cut = 1 if sharded else topo.shards  # pieces of a region's pseudo-gradient
+        _check_fragments(self.numel, self.fragments, self.cut)
         dtype = outer.torch_dtype
+        # host_copy: the outer state in host memory (INTELLECT-1); a sync moves one fragment
+        self.home = torch.device("cpu") if outer.host_copy else None
         with torch.no_grad():
-            self.global_ = [self.parts.local(f).to(dtype) for f in range(self.fragments)]
+            self.global_ = [
+                self.parts.local(f).to(device=self.home, dtype=dtype) for f in range(self.fragments)
+            ]
         self.momentum: list[torch.Tensor | None] = [None] * self.fragments
         self.ef = ErrorFeedback(dtype) if outer.error_feedback else None
         self.stats = stats
@@ -295,11 +336,7 @@ class OuterLoop:
         self.flights: dict[int, _FragmentSync] = {}
         self._times: list[float] = []
         self._last = time.perf_counter()
-        self.schedule: Schedule | None = None
-        regions = len(topo.regions)
-        if outer.sync_every != AUTO and (outer.codec != AUTO or topo.single_region):
-            rung = ("none", None) if outer.codec == AUTO else (outer.codec, outer.level)
-            self.schedule = Schedule(outer.sync_every, (rung,) * regions, 0.0, True)
+        self.schedule = fixed_schedule(outer, topo)
         self.codecs = Codecs(config)
         self.links: list[LinkEstimate] | None = None
         if self.schedule is None and not topo.single_region:
@@ -367,12 +404,16 @@ class OuterLoop:
             links = self.links or [LinkEstimate(1e12, 0.0)] * len(self.topo.regions)
             ladder = OUTER_LADDER if outer.codec == AUTO else ((outer.codec, outer.level),)
             choice[0] = choose_schedule(
-                self.numel, links, self.topo.shards, step_s, self.fragments, outer.overlap,
+                self.numel, links, self.cut, step_s, self.fragments, outer.overlap,
                 self.codecs.wire_nbytes, outer.sync_every, ladder,
             )  # fmt: skip
             log.info("cloudtrain outer loop: %s", choice[0].describe(step_s, links))
         dist.broadcast_object_list(choice, src=0, group=self.topo.group("control"))
         self.schedule = choice[0]
+
+    def _delta(self, f: int, local: torch.Tensor) -> torch.Tensor:
+        """Fragment f's pseudo-gradient, where the outer copy lives."""
+        return self.global_[f].float() - local.to(self.global_[f].device)
 
     def _sync(self, f: int) -> None:
         if self.elastic is not None:  # over the regions present (cloudtrain.elastic)
@@ -381,7 +422,7 @@ class OuterLoop:
         if f == 0:
             self._reconcile_buffers()
         local = self.parts.local(f)
-        delta = self.global_[f].float() - local
+        delta = self._delta(f, local)
         step = self.step
         if self.outer.overlap == 0:
             self._apply(f, self._exchange(f, delta, step), local, local)
@@ -423,16 +464,20 @@ class OuterLoop:
         where = f" at outer step {step}, fragment {f}"
         device = delta.device
         delta = delta.cpu()  # the groups are gloo's (Topology.private)
+        # zstd unless the config says no: once per H steps, behind the inner steps, its CPU is
+        # small and the bytes it saves are what the outer loop is for
+        plan = plan or Plan(self.schedule.rungs, zstd=(self.config.zstd is not False,) * regions)
+        if self.sharded:  # this rank's shard is the region's: swapped whole, nothing to gather
+            if delta.numel() == 0:  # (a shard FSDP left empty: empty on every region alike)
+                return delta.to(device)
+            summed = path.collect(path.issue(delta, plan, step, f, where, delta.numel()))
+            return (summed / (divisor or regions)).to(device)
         padded, n, m = pad_to_shards(delta, topo.shards)
         mine = None
         if topo.shard is not None:
             mine = padded[topo.shard * m : (topo.shard + 1) * m].contiguous()
         summed = None
         if mine is not None:
-            # zstd unless the config says no: once per H steps, behind the inner steps, its CPU
-            # is small and the bytes it saves are what the outer loop is for
-            zstd = (self.config.zstd is not False,) * regions
-            plan = plan or Plan(self.schedule.rungs, zstd=zstd)
             try:
                 summed = path.exchange(mine, plan, step, f, n, where)
             except CommError as e:
@@ -451,7 +496,7 @@ class OuterLoop:
         self.global_[f], self.momentum[f] = outer_step(
             self.outer, self.global_[f], self.momentum[f], mean
         )
-        new = self.global_[f].float()
+        new = self.global_[f].float().to(local_now.device)
         if local_now is not local_at_send:
             new = new + (local_now - local_at_send)
         self.parts.write(f, new)
@@ -473,9 +518,7 @@ class OuterLoop:
                 self.elastic.sync(f)
                 continue
             local = self.parts.local(f)
-            self._apply(
-                f, self._exchange(f, self.global_[f].float() - local, self.step), local, local
-            )
+            self._apply(f, self._exchange(f, self._delta(f, local), self.step), local, local)
 
     def _wait(self) -> None:
         for flight in self.flights.values():
@@ -488,8 +531,8 @@ class OuterLoop:
         between syncs, and a checkpoint's one copy of the model and optimizer is one region's."""
         self.catch_up()
         self._wait()
-        region = None
-        if self.topo.local_index == 0 and not self.topo.single_region:
+        region = None  # sharded: every region saves its own shards (cloudtrain.checkpoint)
+        if self.topo.local_index == 0 and not self.topo.single_region and not self.sharded:
             region = {
                 "params": [p.detach().cpu().clone() for p in self.params],
                 "optimizer": _cpu_copy(self.optimizer.state_dict()),
@@ -532,7 +575,7 @@ class OuterLoop:
                 "resume with the same outer.fragments"
             )
         self._wait()
-        device = self.global_[0].device
+        device = self.global_[0].device  # the outer copy's home (host memory with host_copy)
         self.step = int(state["step"])
         sched = state["schedule"]
         self.schedule = None if sched is None else Schedule.from_state(sched)
@@ -547,10 +590,11 @@ class OuterLoop:
         for fl in state["flights"]:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(fl["mean"].to(device))
+            at_send = fl["local_at_send"].to(self.params[0].device)
             self.flights[fl["fragment"]] = _FragmentSync(
-                fl["fragment"], fl["sent"], fl["merge"], fl["local_at_send"].to(device), done
+                fl["fragment"], fl["sent"], fl["merge"], at_send, done
             )
-        if "region" in state and not self.topo.single_region:  # (absent in older states)
+        if "region" in state and not self.topo.single_region and not self.sharded:
             self._load_region(state["region"])
         if self.elastic is not None and state.get("elastic") is not None:
             self.elastic.load_state_dict(state["elastic"])

@@ -125,3 +125,82 @@ def every_rank(flat: torch.Tensor, world: int) -> list[torch.Tensor]:
     everyone = [torch.empty(flat.numel()) for _ in range(world)]
     dist.all_gather(everyone, flat.float())
     return [e.to(flat.dtype) for e in everyone]
+
+
+class ShardedReplay:
+    """What cloudtrain.fully_shard's exchange must leave in every rank's gradient shards,
+    replayed from every rank's local (unsharded) gradient with the codec library alone.
+
+        replay = ShardedReplay(config, members, units)    # units: the parameters' shapes, unit
+        expected = replay.step(step, grads)                # by unit, in FSDP's order
+        # grads[rank][u][i]: rank's local gradient of parameter i of unit u
+        # expected[rank][u][i]: what that rank's shard of it must hold
+
+    Per unit u and shard j (FSDP's dim-0 chunk j of each parameter, `torch.chunk`), each region's
+    owner of shard j holds the region's mean of it (FSDP's reduce-scatter), times 1 / regions,
+    laid end to end; it is compressed with that region's error feedback (keyed (u, j), random key
+    (seed, step, u * shards + j, region)), and every region's packet is decoded and summed in
+    region order. Knows nothing of FSDP's hooks, the communication thread or the pipeline: a path
+    that dropped, doubled, misplaced or mis-scaled a shard differs from it. Shares the codecs and
+    ErrorFeedback with the system, as `Replay` does (why: its docstring).
+    """
+
+    def __init__(
+        self,
+        config: CompressionConfig,
+        members: Sequence[Sequence[int]],
+        units: Sequence[Sequence[torch.Size]],
+    ) -> None:
+        self.config = config
+        self.members = [list(m) for m in members]
+        self.shards = len(self.members[0])
+        self.units = [list(u) for u in units]
+        self.codec = config.make_codec()
+        self.level = self.codec.check_level(config.level)
+        self.efs: dict[tuple[int, int, int], ErrorFeedback] = {}  # (region, unit, shard)
+
+    def step(
+        self, step: int, grads: Mapping[int, Sequence[Sequence[torch.Tensor]]]
+    ) -> dict[int, list[list[torch.Tensor]]]:
+        k, regions = self.shards, len(self.members)
+        expected: dict[int, list[list[torch.Tensor]]] = {
+            r: [[] for _ in self.units] for m in self.members for r in m
+        }
+        for u, shapes in enumerate(self.units):
+            if not shapes:  # a unit holding no parameters of its own (a root): nothing crosses
+                continue
+            for j in range(k):
+                flats = []
+                for members in self.members:
+                    pieces = []
+                    for i in range(len(shapes)):
+                        chunks = [_chunk(grads[r][u][i], k, j) for r in members]
+                        mean = sum(chunks[1:], chunks[0]) / len(members)  # FSDP's reduce-scatter
+                        pieces.append(mean.reshape(-1))
+                    flats.append(torch.cat(pieces) * (1.0 / regions))
+                out = torch.zeros(flats[0].numel())
+                packets = []
+                for region, x in enumerate(flats):
+                    ef = self.efs.setdefault(
+                        (region, u, j), ErrorFeedback(self.config.residual_torch_dtype)
+                    )
+                    key = RandomKey(self.config.seed, step, u * k + j, region)
+                    packets.append(ef.encode((u, j), x, self.codec, self.level, key))
+                for packet in packets:  # in region order, as every owner sums them
+                    self.codec.accumulate([packet], out)
+                at = 0
+                for i, shape in enumerate(shapes):
+                    like = _chunk(torch.zeros(shape), k, j)
+                    piece = out[at : at + like.numel()].view(like.shape)
+                    at += like.numel()
+                    for members in self.members:
+                        expected[members[j]][u].append(piece.to(grads[members[j]][u][i].dtype))
+        return expected
+
+
+def _chunk(t: torch.Tensor, k: int, j: int) -> torch.Tensor:
+    """FSDP's shard j of k of `t` (dim 0; empty where torch.chunk gives fewer chunks)."""
+    chunks = torch.chunk(t, k, dim=0)
+    if j < len(chunks):
+        return chunks[j]
+    return t.new_zeros((0, *t.shape[1:]))

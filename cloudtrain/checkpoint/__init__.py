@@ -61,7 +61,9 @@ pickled code: only for checkpoints you wrote yourself.
 
 The package: stores.py (S3Config, the local and S3 stores, open_store), manifest.py (the format:
 names, manifest.json, file contents), ranks.py (the collectives of one save or load),
-checkpointer.py (Checkpointer: the save and load protocols), errors.py.
+checkpointer.py (Checkpointer: the save and load protocols), errors.py; sharded.py
+(ShardedCheckpointer: a model sharded with cloudtrain.fully_shard, through
+torch.distributed.checkpoint, in local folders).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from .manifest import (
     rank_file,
     step_dir,
 )
+from .sharded import ShardedCheckpointer
 from .stores import S3Config
 
 __all__ = [
@@ -91,6 +94,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "Checkpointer",
     "S3Config",
+    "ShardedCheckpointer",
     "rank_file",
     "step_dir",
 ]
