@@ -47,13 +47,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import CommError, collective_failure
+from .collectives import CommError
 from .compress import ErrorFeedback
 from .compress.ladders import OUTER_LADDER
 from .config import AUTO, CompressionConfig, OuterConfig
 from .costs import LinkEstimate
 from .datapath import CrossRegion, Shard, pad_to_shards
 from .estimates import region_links
+from .outer_state import _FragmentSync, load_region, region_state
 from .plan import Codecs, Plan, Rung, ceil_div
 from .stats import CommStats
 from .topology import Topology
@@ -162,29 +163,6 @@ def choose_schedule(
         rungs.append(ladder[pick])
         worst = max(worst, times[pick])
     return Schedule(h, tuple(rungs), worst, False)
-
-
-@dataclass
-class _FragmentSync:
-    """A fragment's exchange started at `sent` and merged at `merge`."""
-
-    fragment: int
-    sent: int
-    merge: int
-    local_at_send: torch.Tensor
-    future: concurrent.futures.Future
-
-
-def _cpu_copy(obj: Any) -> Any:
-    """`obj` (an optimizer's state dict) with every tensor copied to the CPU: a snapshot that
-    training does not change."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return obj
 
 
 class Fragments:
@@ -533,13 +511,7 @@ class OuterLoop:
         self._wait()
         region = None  # sharded: every region saves its own shards (cloudtrain.checkpoint)
         if self.topo.local_index == 0 and not self.topo.single_region and not self.sharded:
-            region = {
-                "params": [p.detach().cpu().clone() for p in self.params],
-                "optimizer": _cpu_copy(self.optimizer.state_dict()),
-                "buffers": None
-                if self.buffers is None
-                else [b.detach().cpu().clone() for b in self.buffers.buffers],
-            }
+            region = region_state(self.params, self.optimizer, self.buffers)
         state = {
             "region": region,
             "format": OUTER_STATE_FORMAT,
@@ -549,14 +521,7 @@ class OuterLoop:
             "momentum": [None if b is None else b.detach().cpu().clone() for b in self.momentum],
             "residuals": None if self.ef is None else self.ef.state_dict(),
             "flights": [
-                {
-                    "fragment": fl.fragment,
-                    "sent": fl.sent,
-                    "merge": fl.merge,
-                    "local_at_send": fl.local_at_send.cpu().clone(),
-                    "mean": fl.future.result().cpu().clone(),
-                }
-                for fl in sorted(self.flights.values(), key=lambda x: x.fragment)
+                fl.state_dict() for fl in sorted(self.flights.values(), key=lambda x: x.fragment)
             ],
         }
         if self.elastic is not None:
@@ -586,58 +551,15 @@ class OuterLoop:
             if "dtype" not in residuals:  # saved before residuals had ErrorFeedback's own form
                 residuals = {"dtype": self.outer.dtype, "residuals": residuals}
             self.ef.load_state_dict(residuals)
-        self.flights = {}
-        for fl in state["flights"]:
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(fl["mean"].to(device))
-            at_send = fl["local_at_send"].to(self.params[0].device)
-            self.flights[fl["fragment"]] = _FragmentSync(
-                fl["fragment"], fl["sent"], fl["merge"], at_send, done
-            )
+        self.flights = {
+            fl["fragment"]: _FragmentSync.from_state(fl, device, self.params[0].device)
+            for fl in state["flights"]
+        }
         if "region" in state and not self.topo.single_region and not self.sharded:
-            self._load_region(state["region"])
+            load_region(self, state["region"])
         if self.elastic is not None and state.get("elastic") is not None:
             self.elastic.load_state_dict(state["elastic"])
         self._times, self._last = [], time.perf_counter()
-
-    def _load_region(self, region: dict[str, Any] | None) -> None:
-        """This region's parameters and inner optimizer state, from its first rank's state (all
-        ranks of the region call): after the user's load of the checkpoint's one model and
-        optimizer, which are another region's where regions trained apart."""
-        members = self.topo.members[self.topo.region]
-        got = [region]
-        if len(members) > 1:
-            group = self.own.groups[f"region{self.topo.region}"]
-            t0 = time.perf_counter()
-            try:
-                dist.broadcast_object_list(got, src=members[0], group=group)
-            except Exception as e:
-                text = collective_failure(
-                    f"the region's outer-loop state from rank {members[0]}", members,
-                    self.topo.rank, "", time.perf_counter() - t0, e,
-                    timeout_s=self.config.timeout_s,
-                )  # fmt: skip
-                raise CommError(text) from e
-        if got[0] is None:
-            # this rank was not a region's first when the state was saved (another cluster
-            # layout): the region keeps the checkpoint's model and optimizer, as loaded
-            log.warning(
-                "cloudtrain: outer state has no parameters of region %s (the regions' ranks "
-                "differ from the saved run's): it resumes from the checkpoint's model",
-                self.topo.regions[self.topo.region],
-            )
-            return
-        params = got[0]["params"]
-        if [tuple(t.shape) for t in params] != [tuple(p.shape) for p in self.params]:
-            raise ValueError("outer state: the region's parameters do not fit this model")
-        with torch.no_grad():
-            for p, value in zip(self.params, params, strict=True):
-                p.copy_(value)
-            buffers = got[0].get("buffers")  # (absent in older states)
-            if buffers is not None and self.buffers is not None:
-                for b, value in zip(self.buffers.buffers, buffers, strict=True):
-                    b.copy_(value)
-        self.optimizer.load_state_dict(got[0]["optimizer"])
 
     def settle(self) -> None:
         """Wait until the exchanges in flight have crossed (every rank has started them); they

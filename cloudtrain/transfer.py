@@ -66,7 +66,7 @@ class StateTransfer:
         self.loop, self.module = loop, module
 
     def payload(self, commits: int) -> dict[str, Any]:
-        from .outer import _cpu_copy
+        from .outer_state import cpu_copy
 
         loop = self.loop
         trainable = {id(p) for p in loop.params}
@@ -80,7 +80,7 @@ class StateTransfer:
             "commits": commits,
             "global": [g.detach().cpu().clone() for g in loop.global_],
             "momentum": [None if m is None else m.detach().cpu().clone() for m in loop.momentum],
-            "optimizer": _cpu_copy(loop.optimizer.state_dict()),
+            "optimizer": cpu_copy(loop.optimizer.state_dict()),
             "module": rest,
             "schedule": dataclasses.asdict(loop.schedule),
         }
