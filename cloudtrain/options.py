@@ -39,6 +39,16 @@ def _number(
         raise ValueError(f"{name}={value!r} must be {what} in {interval}")
 
 
+def _known(cls: type, options: dict[str, Any], what: str) -> dict[str, Any]:
+    """A copy of `options` (a plain dict, e.g. read from JSON) if every key is a field of `cls`;
+    otherwise a ValueError naming the unknown keys and the known ones."""
+    known = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"unknown {what} options {sorted(unknown)}; known: {sorted(known)}")
+    return dict(options)
+
+
 MAX_STALENESS = 16
 """The most steps an exchange may be applied late."""
 
@@ -107,13 +117,7 @@ class ControllerOptions:
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> ControllerOptions:
         """Options from a plain dict (e.g. read from JSON): unknown keys are an error."""
-        known = set(cls.__dataclass_fields__)
-        unknown = set(options) - known
-        if unknown:
-            raise ValueError(
-                f"unknown controller options {sorted(unknown)}; known: {sorted(known)}"
-            )
-        opts = dict(options)
+        opts = _known(cls, options, "controller")
         if "ladder" in opts:
             opts["ladder"] = tuple(
                 (name, tuple(lv) if isinstance(lv, list) else lv) for name, lv in opts["ladder"]
@@ -215,12 +219,7 @@ class OuterConfig:
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> OuterConfig:
         """Options from a plain dict (e.g. read from JSON): unknown keys are an error."""
-        unknown = set(options) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(
-                f"unknown outer options {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}"
-            )
-        opts = dict(options)
+        opts = _known(cls, options, "outer")
         if isinstance(opts.get("level"), list):
             opts["level"] = tuple(opts["level"])
         return cls(**opts)
@@ -289,9 +288,4 @@ class ElasticConfig:
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> ElasticConfig:
         """Options from a plain dict (e.g. read from JSON): unknown keys are an error."""
-        unknown = set(options) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(
-                f"unknown elastic options {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}"
-            )
-        return cls(**options)
+        return cls(**_known(cls, options, "elastic"))
