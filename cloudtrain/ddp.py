@@ -141,14 +141,14 @@ class CloudDDP(DistributedDataParallel):
             if outer
             else None
         )
-        self.buffers = None
+        self.region_buffers = None
         """Outer-loop mode: the module's buffers, broadcast inside the region only and
         reconciled across regions at syncs (cloudtrain.buffers); None otherwise."""
         if outer and getattr(self, "forward_sync_buffers", self.broadcast_buffers):
             self.forward_sync_buffers = self.broadcast_buffers = False  # (torch >= 2.13; older)
             region_group = topo.groups.get(f"region{topo.region}")
-            self.buffers = RegionBuffers.of(self.module, region_group)
-            self.outer.buffers = self.buffers
+            self.region_buffers = RegionBuffers.of(self.module, region_group)
+            self.outer.buffers = self.region_buffers
         self.elastic = None
         if config.elastic is not None:  # this launch is one region of the run; it joins now
             from .elastic import ElasticRegion, identity_of
@@ -172,8 +172,8 @@ class CloudDDP(DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.outer is not None and self.training and torch.is_grad_enabled():
             self.outer.catch_up()  # where AMP skipped this region's last step (OuterLoop)
-            if self.buffers is not None:  # DDP's broadcast, inside the region
-                self.buffers.in_region()
+            if self.region_buffers is not None:  # DDP's broadcast, inside the region
+                self.region_buffers.in_region()
         return super().forward(*inputs, **kwargs)
 
     @property
