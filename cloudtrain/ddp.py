@@ -96,6 +96,14 @@ def check_agreement(module: torch.nn.Module, config: CompressionConfig) -> None:
                 )
 
 
+def batch_of(inputs: tuple, kwargs: dict[str, Any]) -> int:
+    """A forward's samples: the leading dimension of its first tensor argument (1 if none)."""
+    for value in (*inputs, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return int(value.shape[0]) if value.dim() else 1
+    return 1
+
+
 class CloudDDP(DistributedDataParallel):
     """DistributedDataParallel that compresses gradients between regions (module docstring).
 
@@ -170,11 +178,19 @@ class CloudDDP(DistributedDataParallel):
         log.info("cloudtrain: %s; config %s", topo.describe(), config.codec)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.outer is not None and self.training and torch.is_grad_enabled():
-            self.outer.catch_up()  # where AMP skipped this region's last step (OuterLoop)
-            if self.region_buffers is not None:  # DDP's broadcast, inside the region
-                self.region_buffers.in_region()
+        if self.training and torch.is_grad_enabled():
+            self.comm.count_samples(batch_of(inputs, kwargs))
+            if self.outer is not None:
+                self.outer.catch_up()  # where AMP skipped this region's last step (OuterLoop)
+                if self.region_buffers is not None:  # DDP's broadcast, inside the region
+                    self.region_buffers.in_region()
         return super().forward(*inputs, **kwargs)
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples this rank trained on: the leading dimension of the first tensor argument of
+        every training forward (1 for a forward without one), since the run started."""
+        return self.comm.samples
 
     @property
     def steps_done(self) -> int:

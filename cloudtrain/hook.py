@@ -205,6 +205,9 @@ class CommState:
         "plan",
         "step",
         "_first_of_step",
+        # samples trained on: in all, and in the forwards of the step now computed
+        "samples",
+        "_step_samples",
         # the parts: bucket layouts and residuals' pieces, the data path (codecs, error feedback,
         # counters, what the controller and the quality guard are shown), the pipeline, the
         # controller, the communication thread and the failure relay
@@ -229,6 +232,7 @@ class CommState:
         self.config, self.topo = config, topo
         self.layouts = BucketLayouts(params, names)
         self.step, self._first_of_step = 0, True
+        self.samples, self._step_samples = 0, 0
         codecs = Codecs(config)
         self.controller = None
         if config.codec == AUTO and not topo.single_region and not self.region_only:
@@ -285,6 +289,12 @@ class CommState:
             return True
         return self.plan.lossless and self.plan.staleness == 0 and not self.pipeline
 
+    def count_samples(self, n: int) -> None:
+        """A training forward of n samples (CloudDDP.forward): the step's, until its gradients
+        are reduced (several forwards under no_sync add up)."""
+        self.samples += n
+        self._step_samples += n
+
     # -- the hook --------------------------------------------------------------------------------
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
         try:
@@ -302,8 +312,10 @@ class CommState:
         buffer = bucket.buffer()
         index, last = bucket.index(), bucket.is_last()
         self.stats.buckets = max(self.stats.buckets, index + 1)
-        if last and self.path.observer is not None:
-            self.path.observer.compute_finished()
+        if last:
+            if self.path.observer is not None:
+                self.path.observer.compute_finished(self._step_samples)
+            self._step_samples = 0
         signature = self.layouts.signature(buffer, bucket.parameters(), bucket.gradients())
         self._begin()  # this step's plan and checks, before its first collective
         if self.direct:

@@ -97,6 +97,8 @@ class Observations:
 
     compute_s: list[float] = field(default_factory=list)
     """Seconds of compute (forward + backward until the last bucket) of each step."""
+    samples: list[int] = field(default_factory=list)
+    """Samples of each step whose compute is in compute_s (CloudDDP.forward counts them)."""
     step_s: list[float] = field(default_factory=list)
     """Seconds of each whole step, from the end of one step's communication to the next's."""
     arrivals: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
@@ -132,10 +134,11 @@ class Observer:
         self._step_start = now
         self._steps += 1
 
-    def compute_finished(self) -> None:
-        """The step's last bucket was handed over: its compute is done."""
+    def compute_finished(self, samples: int = 0) -> None:
+        """The step's last bucket was handed over: its compute (of `samples`) is done."""
         if self._step_start is not None:
             self._current.compute_s.append(time.monotonic() - self._step_start)
+            self._current.samples.append(samples)
 
     def arrived(self, region: int, nbytes: int, seconds: float) -> None:
         if seconds > 0:
