@@ -29,6 +29,7 @@ _EXPORTS = {
     "ReplicaMismatch": "hook",
     "CommError": "collectives",
     "CommStats": "stats",
+    "ShareSampler": "shares",
 }
 
 __all__ = sorted(_EXPORTS)

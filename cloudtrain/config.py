@@ -142,6 +142,13 @@ class CompressionConfig:
     each region launched on its own joins the run, a lost one is survived, a spot notice makes a
     region leave at the next sync (cloudtrain.elastic). None: a fixed set of ranks, as before."""
 
+    global_batch: int | None = None
+    """Samples per step over all ranks, shared among them by measured throughput (cloudtrain.
+    shares: a rank twice as fast gets twice the samples; gradients weighted by share, so the
+    update is the mean over the global batch). Draw each rank's batch with cloudtrain.
+    ShareSampler or CloudDDP.batch_size(). Needs "auto" (its controller plans the shares) and no
+    outer loop. None: every rank brings its own batch, as with DDP."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.codec, str) or not self.codec.strip():
             raise ValueError(f"codec={self.codec!r}: name a codec, e.g. 'topk', or use 'auto'")
@@ -232,11 +239,23 @@ class CompressionConfig:
             )
         if self.elastic is not None:
             self._check_elastic()
+        if self.global_batch is not None:
+            self._check_global_batch()
         if self.outer is not None and self.verify_every:
             raise ValueError(
                 f"verify_every={self.verify_every} with an outer loop: regions' replicas differ "
                 "between syncs by design; leave verify_every at 0 and call verify_replicas() "
                 "after CloudDDP.finish_outer()"
+            )
+
+    def _check_global_batch(self) -> None:
+        _number("global_batch", self.global_batch, 1, 2**31 - 1, integer=True)
+        if self.codec != AUTO or self.outer is not None:
+            raise ValueError(
+                f"global_batch={self.global_batch} with codec={self.codec!r}"
+                f"{' and an outer loop' if self.outer is not None else ''}: batch shares are "
+                "planned by the per-step controller; use codec 'auto' without outer (the outer "
+                "loop balances regions with outer=OuterConfig(work='time'))"
             )
 
     def _check_elastic(self) -> None:
@@ -362,6 +381,8 @@ class CompressionConfig:
             del fields["elastic"]
         else:  # the Lighthouse's address may differ per region, like the timeout
             fields["elastic"] = dataclasses.replace(fields["elastic"], lighthouse=None)
+        if fields["global_batch"] is None:  # (as zstd)
+            del fields["global_batch"]
         if isinstance(self.outer, OuterConfig) and not self.outer.host_copy:  # likewise
             fields["outer"] = repr(self.outer).replace(", host_copy=False)", ")")
         text = json.dumps(fields, sort_keys=True, default=repr)

@@ -43,6 +43,7 @@ from .guard import QualityGuard
 from .plan import Codecs, Plan, describe
 from .planner import FIRST_DECISION, Current, Decision, Planner
 from .probe import probe
+from .shares import SHARE_LEAD, BatchShares
 from .stats import Observations
 from .topology import Topology
 
@@ -59,8 +60,11 @@ class Controller:
         codecs: Codecs,
         shard_numels: Sequence[int],
         device: Any = "cpu",
+        shares: BatchShares | None = None,
     ) -> None:
+        """`shares`: with a global batch, the schedule of batch shares the decisions write."""
         self.options: ControllerOptions = config.controller
+        self.shares = shares
         self.codecs, self.topo = codecs, topo
         regions = len(topo.regions)
         self.estimates = Estimates.start(regions)
@@ -128,6 +132,7 @@ class Controller:
             "received": dict(seen.arrivals),
             "stage_seconds": dict(seen.stage_s),
             "zstd": list(seen.zstd),
+            "samples": list(seen.samples),
         }
         if seen.quality is not None and seen.quality.steps:
             mine["quality"] = dataclasses.astuple(seen.quality)
@@ -156,8 +161,9 @@ class Controller:
         if self.topo.rank == 0:
             took = time.perf_counter() - t0
             now = Current(
-                self.rungs, self.streak, self.staleness, self.estimates, self.guard, shard_numels
-            )
+                self.rungs, self.streak, self.staleness, self.estimates, self.guard, shard_numels,
+                None if self.shares is None else self.shares.latest,
+            )  # fmt: skip
             decision[0] = self.planner.decide(step, now, gathered, ran, took)
         dist.broadcast_object_list(decision, src=0, group=self.own.group("control"))
         return decision[0]
@@ -175,8 +181,19 @@ class Controller:
         if decision.guard is not None:
             self.guard = QualityGuard.from_state(decision.guard)
         self.history.append(decision.record)
+        shared = (
+            self.shares is not None
+            and decision.shares is not None
+            and self.shares.change(step, decision.shares)
+        )
         if self.topo.rank != 0:  # one line per change, not one per rank
             return
+        if shared:
+            rates = ", ".join(f"{t:.0f}" for t in self.estimates.throughput)
+            log.warning(
+                "cloudtrain: step %d: batch shares %s from step %d (samples/s by rank: %s)",
+                step, list(decision.shares), step + SHARE_LEAD, rates,
+            )  # fmt: skip
         for note in decision.record.get("guard_notes", ()):
             log.warning("cloudtrain: step %d: quality guard: %s", step, note)
         if changed:
@@ -253,7 +270,16 @@ class Controller:
             },
             "staleness": self.staleness,
             "guard": None if self.guard is None else self.guard.snapshot(names, ladder),
-        }
+            "throughput": {
+                "by_rank": list(est.throughput),
+                "by_region": {
+                    name: None if any(est.throughput[r] is None for r in ranks) else
+                    sum(est.throughput[r] for r in ranks)
+                    for name, ranks in zip(names, self.topo.members, strict=True)
+                } if len(est.throughput) == self.topo.world_size else {},
+            },  # samples per second of compute
+            "batch_shares": None if self.shares is None else list(self.shares.latest),
+        }  # fmt: skip
         return out
 
     def metrics(self) -> dict[str, float]:
@@ -262,6 +288,12 @@ class Controller:
             out[f"level/{name}"] = float(self.rungs[r])
             if self.estimates.bandwidth[r] is not None:
                 out[f"bandwidth_mbit/{name}"] = 8 * self.estimates.bandwidth[r] / 1e6
+        for rank, rate in enumerate(self.estimates.throughput):
+            if rate is not None:
+                out[f"samples_per_s/rank{rank}"] = rate
+        if self.shares is not None:
+            for rank, share in enumerate(self.shares.latest):
+                out[f"batch_share/rank{rank}"] = float(share)
         return out
 
     def _write_metrics(self, step: int, wan_bytes_sent: int) -> None:

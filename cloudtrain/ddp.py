@@ -170,6 +170,11 @@ class CloudDDP(DistributedDataParallel):
             )  # fmt: skip
             self.outer.elastic = self.elastic
             self.elastic.join()
+        if topo.single_region and config.global_batch is not None:
+            log.warning(
+                "cloudtrain: all ranks are in one region, where no controller runs: the global "
+                "batch is shared equally (set CLOUDTRAIN_REGION per host for shares by throughput)"
+            )
         if topo.single_region and not config.lossless and config.codec != AUTO:
             log.info(
                 "cloudtrain: all ranks are in one region, so gradients are all-reduced without lossy "
@@ -185,6 +190,11 @@ class CloudDDP(DistributedDataParallel):
                 if self.region_buffers is not None:  # DDP's broadcast, inside the region
                     self.region_buffers.in_region()
         return super().forward(*inputs, **kwargs)
+
+    def batch_size(self) -> int:
+        """With CompressionConfig(global_batch=N): this rank's share of the global batch at the
+        step now computed - draw that many samples for it (or use cloudtrain.ShareSampler)."""
+        return self.comm.batch_size()
 
     @property
     def samples_seen(self) -> int:

@@ -150,13 +150,19 @@ def _median(values: Sequence[float]) -> float | None:
     return ordered[len(ordered) // 2] if ordered else None
 
 
+def _throughput(samples: Sequence[int], compute_s: Sequence[float]) -> float | None:
+    """Samples per second of compute over the steps timed (None: no samples counted)."""
+    seconds = sum(compute_s[: len(samples)])
+    return sum(samples) / seconds if seconds > 0 and sum(samples) > 0 else None
+
+
 @dataclass(frozen=True)
 class Interval:
     """Every rank's observations since the last decision (cloudtrain.stats.Observations, as
     gathered), summed up by region."""
 
     compute_s: float | None
-    """The median compute time of a step over all ranks."""
+    """A step's compute time: the slowest rank's median (the step waits for it)."""
     step_s: float | None
     """The median whole step."""
     arrivals: list[list[tuple[int, float]]]
@@ -169,6 +175,8 @@ class Interval:
     """By region: its owners' quality probes (cloudtrain.guard)."""
     probed: list[list[float]] | None = None
     """The leaders' re-probe, where they ran one: bandwidth from region to region."""
+    throughput: list[float | None] | None = None
+    """By rank: samples per second of its compute over the interval (None: none timed)."""
 
     @classmethod
     def of(cls, gathered: list[dict[str, Any]], members: Sequence[Sequence[int]]) -> Interval:
@@ -180,8 +188,10 @@ class Interval:
                 if gathered[rank].get("quality") is not None:
                     total = total + QualitySums(*gathered[rank]["quality"])
             quality.append(total)
+        slowest = max((m for g in gathered if (m := _median(g["compute"])) is not None),
+                      default=None)  # fmt: skip
         return cls(
-            _median([c for g in gathered for c in g["compute"]]),
+            slowest,
             _median([s for g in gathered for s in g.get("steps", [])]),
             [[s for g in gathered for s in g["received"].get(r, [])] for r in regions],
             dict(gathered[0].get("stage_seconds", {})),
@@ -189,6 +199,7 @@ class Interval:
             quality,
             _by_region(next((g["leader_links"] for g in gathered if "leader_links" in g), None),
                        members),
+            [_throughput(g.get("samples", []), g["compute"]) for g in gathered],
         )  # fmt: skip
 
 
@@ -217,6 +228,8 @@ class Estimates:
     """(region, rung) -> the smoothed gain of the zstd stage there."""
     measured_steps: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
     """(rungs, staleness) -> (step seconds, slowest link, compute) as measured."""
+    throughput: list[float | None] = field(default_factory=list)
+    """By rank: samples per second of its own compute (communication excluded), smoothed."""
 
     @classmethod
     def start(cls, regions: int) -> Estimates:
@@ -305,6 +318,15 @@ class Estimates:
                 mean = ZstdGain(*(smoothed(m, o, ewma) for m, o in pairs))
             self.zstd_gains[key] = mean
 
+    def observe_throughput(self, interval: Interval, ewma: float) -> None:
+        """Each rank's samples per second over the interval, smoothed."""
+        measured = interval.throughput or []
+        if len(self.throughput) != len(measured):
+            self.throughput = [None] * len(measured)
+        for rank, rate in enumerate(measured):
+            if rate is not None:
+                self.throughput[rank] = smoothed(rate, self.throughput[rank], ewma)
+
     def observe_step(self, plan: tuple, step_s: float | None, ewma: float) -> None:
         """The whole step time of the plan that ran (smoothed), kept with the link and compute it
         was measured at; measurements go when the slowest link or the compute time has changed
@@ -338,6 +360,7 @@ class Estimates:
                 [list(rungs), staleness, *m]
                 for (rungs, staleness), m in self.measured_steps.items()
             ],
+            "throughput": list(self.throughput),
         }
 
     @classmethod
@@ -361,6 +384,7 @@ class Estimates:
                 (tuple(rungs), int(staleness)): (took, bandwidth, compute)
                 for rungs, staleness, took, bandwidth, compute in state.get("measured_steps", [])
             },
+            list(state.get("throughput", [])),
         )
 
     def copy(self) -> Estimates:

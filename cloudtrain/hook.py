@@ -46,6 +46,7 @@ from .guard import QualityProbe
 from .layout import BucketLayout, BucketLayouts
 from .pipeline import Pipeline
 from .plan import NONE, Codecs, Plan
+from .shares import BatchShares
 from .stats import CommStats, Observer, ring_wan_bytes
 from .topology import Topology
 
@@ -205,9 +206,11 @@ class CommState:
         "plan",
         "step",
         "_first_of_step",
-        # samples trained on: in all, and in the forwards of the step now computed
+        # samples trained on: in all, and in the forwards of the step now computed; with a
+        # global batch, each rank's share of it (cloudtrain.shares)
         "samples",
         "_step_samples",
+        "shares",
         # the parts: bucket layouts and residuals' pieces, the data path (codecs, error feedback,
         # counters, what the controller and the quality guard are shown), the pipeline, the
         # controller, the communication thread and the failure relay
@@ -233,6 +236,9 @@ class CommState:
         self.layouts = BucketLayouts(params, names)
         self.step, self._first_of_step = 0, True
         self.samples, self._step_samples = 0, 0
+        self.shares = None
+        if config.global_batch is not None:
+            self.shares = BatchShares(config.global_batch, topo.world_size)
         codecs = Codecs(config)
         self.controller = None
         if config.codec == AUTO and not topo.single_region and not self.region_only:
@@ -241,7 +247,7 @@ class CommState:
             if topo.links is None:
                 topo.probe()
             self.controller = Controller(
-                config, topo, codecs, self.shard_numels(), self.layouts.device
+                config, topo, codecs, self.shard_numels(), self.layouts.device, self.shares
             )
         guarded = self.controller is not None and self.controller.guard is not None
         ef = ErrorFeedback(config.residual_torch_dtype) if config.error_feedback else None
@@ -313,6 +319,7 @@ class CommState:
         index, last = bucket.index(), bucket.is_last()
         self.stats.buckets = max(self.stats.buckets, index + 1)
         if last:
+            self._check_share()
             if self.path.observer is not None:
                 self.path.observer.compute_finished(self._step_samples)
             self._step_samples = 0
@@ -342,7 +349,7 @@ class CommState:
         Pipelined ones apply the exchanges due now (of step t - s; cloudtrain.pipeline).
         """
         buf = job.buffer
-        buf.mul_(1.0 / self.topo.world_size)  # as DDP: times the reciprocal, not divided
+        buf.mul_(self.weight)  # as DDP: times the reciprocal of the world size, not divided
         units = self.layouts.units(job.index, job.signature, self.ef)
         synchronous = self.plan.staleness == 0 and not self.pipeline
         for unit in units:
@@ -394,7 +401,7 @@ class CommState:
             group = topo.groups.get(f"region{topo.region}")
         else:
             ranks, group = tuple(range(topo.world_size)), topo.group("dense")
-        buf = buffer.mul_(1.0 / len(ranks))
+        buf = buffer.mul_(1.0 / len(ranks) if self.region_only else self.weight)
         if self.controller is not None:
             for unit in self.layouts.units(index, signature, self.ef):  # keep learning the layout
                 self.layouts.inject(unit.layout, buf)
@@ -424,6 +431,37 @@ class CommState:
         return summed.then(done)
 
     # -- per step ----------------------------------------------------------------------------------
+    @property
+    def weight(self) -> float:
+        """The factor of this rank's gradient in the sum: 1 / world size, or with a global batch
+        its share of it (cloudtrain.shares)."""
+        if self.shares is None:
+            return 1.0 / self.topo.world_size
+        return self.shares.weight(self.step, self.topo.rank, self.topo.world_size)
+
+    def batch_size(self) -> int:
+        """This rank's share of the global batch at the step now computed."""
+        if self.shares is None:
+            raise ValueError(
+                "CloudDDP.batch_size(): this run has no global batch to share; build the config "
+                "with CompressionConfig(global_batch=N)"
+            )
+        return self.shares.at(self.step)[self.topo.rank]
+
+    def _check_share(self) -> None:
+        """With a global batch, the step's samples must be this rank's share: a gradient
+        weighted by a share it was not computed on would bias the mean."""
+        if self.shares is None or self._step_samples == 0:
+            return
+        share = self.batch_size()
+        if self._step_samples != share:
+            raise ValueError(
+                f"rank {self.topo.rank}'s batch at step {self.step} had {self._step_samples} "
+                f"samples (the leading dimension of the forward's first tensor), its share of the "
+                f"global batch is {share}: draw each step's batch with cloudtrain.ShareSampler or "
+                "CloudDDP.batch_size(), one batch per step"
+            )
+
     def _begin(self) -> None:
         """At the first bucket of a step: the replica check when due, and the step's plan."""
         if not self._first_of_step:
@@ -476,6 +514,7 @@ class CommState:
             **self.path.state_dict(),
             "controller": None if self.controller is None else self.controller.state_dict(),
             "pipeline": self.pipeline.state_dict(),
+            "shares": None if self.shares is None else self.shares.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -490,6 +529,8 @@ class CommState:
         if self.controller is not None and state.get("controller") is not None:
             self.controller.load_state_dict(state["controller"])
             self.plan = self.controller.plan()
+        if self.shares is not None and state.get("shares") is not None:
+            self.shares.load_state_dict(state["shares"])
 
 
 def next_plan(controller: Any, path: CrossRegion, step: int, shard_numels: Sequence[int]) -> Plan:

@@ -24,6 +24,7 @@ from .costs import CostModel, faster_measured, plan_levels, plan_staleness, plan
 from .estimates import Estimates, Interval, intra_guess, region_links
 from .guard import QualityGuard
 from .plan import Codecs, Plan, Rung, describe
+from .shares import plan_shares
 from .stats import STAGES
 from .topology import Topology
 
@@ -44,6 +45,8 @@ class Current:
     estimates: Estimates
     guard: QualityGuard | None
     shard_numels: Sequence[int]
+    shares: Sequence[int] | None = None
+    """The batch shares planned last (cloudtrain.shares), with a global batch."""
 
 
 @dataclass(frozen=True)
@@ -66,15 +69,19 @@ class Decision:
     """QualityGuard.state_dict()."""
     record: dict[str, Any]
     """The history entry: levels by name, links, budgets, the log text, the guard's notes."""
+    shares: tuple[int, ...] | None = None
+    """Each rank's share of the global batch (cloudtrain.shares), with one."""
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Decision:
-        fields = {f.name: state[f.name] for f in dataclasses.fields(cls)}
+        fields = {f.name: state.get(f.name) for f in dataclasses.fields(cls)}
         for name in ("rungs", "streak", "zstd"):
             fields[name] = tuple(fields[name])
+        if fields["shares"] is not None:
+            fields["shares"] = tuple(fields["shares"])
         return cls(**fields)
 
 
@@ -129,6 +136,7 @@ class Planner:
         self.options: ControllerOptions = config.controller
         self.codecs, self.topo, self.cpu_per_element = codecs, topo, list(cpu_per_element)
         self.zstd_choice = config.zstd  # None: decided per link (plan_zstd)
+        self.global_batch = config.global_batch
         self.pinned_staleness = config.staleness is not None  # the user's, not the guard's
         self.allowed_staleness: tuple[int, ...] = (
             (config.staleness,) if self.pinned_staleness else tuple(range(self.options.max_staleness + 1))
@@ -170,6 +178,7 @@ class Planner:
         shard_numels = now.shard_numels
         est = now.estimates.copy()
         est.compute_s = interval.compute_s or est.compute_s or 1.0
+        est.observe_throughput(interval, opts.ewma)
         reprobe = est.observe_links(interval, warm, self.topo.shards, opts.ewma)
         stages = interval.stages if warm else {}
         est.observe_stages(stages, opts.ewma)
@@ -196,9 +205,13 @@ class Planner:
         every = max(opts.interval, min(math.ceil(2 * took / max(per_step, 1e-3)) + 1, 10_000))
         plan = (rungs, staleness, zstd)
         record = _record(step, opts.ladder, self.topo.regions, model, plan, interval, notes)
+        shares = None
+        if self.global_batch is not None and now.shares is not None:
+            shares = plan_shares(self.global_batch, est.throughput, now.shares)
+            record["shares"] = list(shares)
         return Decision(
             step, tuple(rungs), tuple(streak), staleness, tuple(zstd), every, reprobe,
-            est.state_dict(), None if guard is None else guard.state_dict(), record,
+            est.state_dict(), None if guard is None else guard.state_dict(), record, shares,
         )  # fmt: skip
 
     def _cost_model(

@@ -445,6 +445,11 @@ def fully_shard(
             "cloudtrain.fully_shard: elastic regions (config.elastic) work with CloudDDP's outer "
             "loop only; a sharded run keeps a fixed set of regions - leave elastic unset"
         )
+    if config is not None and config.global_batch is not None:
+        raise ValueError(
+            "cloudtrain.fully_shard: batch shares (config.global_batch) work with CloudDDP only; "
+            "inside a region FSDP's ranks compute one batch each - leave global_batch unset"
+        )
     comm = _OPEN[0] if _OPEN else None
     if comm is not None and not comm.joins(module):
         comm = None  # another model: sharded after this one's root, and not around it
