@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import quality
+from . import hetero, quality
 from .runner import UNSHAPED_MBIT, Run, run_method, worker
 
 METHODS = (
@@ -90,6 +90,7 @@ SCENARIOS: dict[str, Scenario] = {
     # us sends at 1 Gbit/s, eu at 50 Mbit/s; both receive at 1 Gbit/s
     "hetero": Scenario({"us": 1000.0, "eu": 50.0}, {"us": 1000.0, "eu": 1000.0}, 0.0),
     "drop": Scenario({"us": 1000.0, "eu": 1000.0}, {"us": 1000.0, "eu": 1000.0}, 0.0),
+    "hetero-compute": Scenario({"us": 100.0, "eu": 100.0}, {"us": 100.0, "eu": 100.0}, 80.0),
 }
 
 
@@ -167,6 +168,11 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         methods = ["ddp-loopback", *methods]  # the targets compare with DDP unshaped
     runs: list[Run] = []
     try:
+        if args.scenario == "hetero-compute":  # rows of their own (cloudtrain.tools.hetero)
+            rows = args.hetero_rows or list(hetero.ROWS)
+            with tqdm(total=args.steps * len(rows), desc="bench", unit="step") as progress:
+                report = hetero.drive(args, regions, wan, progress)
+            return _hetero_report(args, report, network)
         with tqdm(
             total=args.steps * len(methods), desc="bench", unit="step", mininterval=1.0
         ) as progress:
@@ -235,6 +241,17 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     title = f"{args.scenario}: {netem_describe(links) if wan is not None else 'loopback'}"
     if _plot(runs, stem.with_suffix(".png"), title):
         report["plot"] = str(stem.with_suffix(".png"))
+    return report
+
+
+def _hetero_report(args: argparse.Namespace, report: dict[str, Any], network: str) -> dict:
+    report.update(scenario=args.scenario, network=network, steps=args.steps,
+                  global_batch=args.batch, model=f"MLP 64-{args.hidden}-{args.hidden}-10 on digits")  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"bench-{args.scenario}.json"
+    path.write_text(json.dumps(report, indent=1))
+    report["json"] = str(path)
     return report
 
 
@@ -411,6 +428,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(cloudtrain.tools.quality)",
     )
     quality.configure(parser)
+    hetero.configure(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)  # METHODS, or cloud-<any preset>
     parser.add_argument("--workload", default="bench-mlp", help=argparse.SUPPRESS)
@@ -419,7 +437,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.batch is None:
-        args.batch = 2048 if args.scenario == "drop" else 256
+        args.batch = 2048 if args.scenario in ("drop", "hetero-compute") else 256
+    if args.sample_ms is None:
+        args.sample_ms = hetero.SAMPLE_MS if args.scenario == "hetero-compute" else 0.0
     if args.worker:
         return worker(args)
     if args.warmup >= args.steps:
@@ -427,6 +447,11 @@ def run(args: argparse.Namespace) -> int:
     report = quality.drive(args) if args.quality else drive(args)
     if args.json:
         print(json.dumps(report))
+    elif args.scenario == "hetero-compute" and not args.quality:
+        print(f"\ncloudtrain bench - scenario hetero-compute: {report['network']}")
+        print(f"{report['model']}, global batch {report['global_batch']}, {report['steps']} steps")
+        hetero.print_table(report)
+        print(f"report: {report['json']}")
     else:
         (quality.print_table if args.quality else print_table)(report)
     return 0

@@ -59,6 +59,16 @@ def _wrap(method: str, model, world: int, opt=None, overrides: dict | None = Non
     return cloudtrain.CloudDDP(model, config, optimizer=opt)  # the outer loop hooks opt.step()
 
 
+def accelerator(ms_per_sample: float, samples: int) -> None:
+    """The bench's emulated accelerator (--sample-ms, and --slowdown K for --slow-region): after
+    its forward a rank sleeps ms_per_sample per sample of its batch, as a GPU's forward and
+    backward take time in proportion to the batch - K times as long in the slow region. Sleeping
+    leaves the CPU to the other ranks, so that on a machine of few cores the ranks' speeds are
+    set by the knob, not by who gets a core."""
+    if ms_per_sample > 0:
+        time.sleep(ms_per_sample * samples / 1000)
+
+
 def worker(args: argparse.Namespace) -> int:
     """One rank: train, print JSON lines (progress, then the result) on rank 0."""
     import torch
@@ -81,16 +91,23 @@ def worker(args: argparse.Namespace) -> int:
     model, opt = trainer.model, trainer.optimizer
     overrides = json.loads(args.overrides) if args.overrides else {}
     ddp = _wrap(args.method, model, world, opt, overrides)
-    step_times, curve = [], []
+    slow = os.environ.get("CLOUDTRAIN_REGION") == args.slow_region
+    ms_per_sample = args.sample_ms * (args.slowdown if slow else 1.0)
+    shares = getattr(getattr(ddp, "comm", None), "shares", None)  # with a global batch
+    step_times, curve, samples = [], [], []
     trained = 0.0
     for step in range(args.steps):
-        x, y = trainer.batch(rank, world)
+        share = None if shares is None else shares.at(ddp.steps_done)
+        x, y = trainer.batch(rank, world, share)
         trainer.set_lr(step, args.steps)
         t0 = time.perf_counter()
-        loss = trainer.loss(ddp(x), y)
+        out = ddp(x)
+        accelerator(ms_per_sample, len(x))
+        loss = trainer.loss(out, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        samples.append(len(x))
         if step + 1 == args.steps and hasattr(ddp, "finish_outer"):
             ddp.finish_outer()  # an outer loop's last sync: the replicas become one model
         took = time.perf_counter() - t0
@@ -103,6 +120,9 @@ def worker(args: argparse.Namespace) -> int:
                 curve.append((trained, quality))
                 line["acc"] = quality
             print(json.dumps(line), flush=True)
+    if args.rank_report:  # every rank's own samples and seconds (the hetero-compute bench)
+        with open(os.path.join(args.rank_report, f"rank{rank}.json"), "w") as f:
+            json.dump({"samples": samples, "step_times": step_times}, f)
     if rank == 0:
         result: dict[str, Any] = {
             "step_times": step_times,
@@ -183,6 +203,9 @@ def worker_argv(method: str, args: argparse.Namespace) -> list[str]:
         *(["--lr", str(args.lr)] if args.lr is not None else []),
         *(["--momentum", str(args.momentum)] if args.momentum is not None else []),
         "--workload", args.workload, *(["--overrides", args.overrides] if args.overrides else []),
+        "--sample-ms", str(args.sample_ms), "--slowdown", str(args.slowdown),
+        "--slow-region", args.slow_region,
+        *(["--rank-report", args.rank_report] if args.rank_report else []),
     ]  # fmt: skip
 
 

@@ -28,7 +28,7 @@ see the same data in the same order.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +55,17 @@ class Trainer:
     schedule: Callable[[int, int], float] | None = None
     generator: Any = None
 
-    def batch(self, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, rank: int, world: int, shares: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of the step's global batch: per_rank samples, or with `shares`
+        (cloudtrain.shares, summing to per_rank x world) its share."""
         x, y = self.draw(self.generator, self.per_rank * world)
-        mine = slice(rank * self.per_rank, (rank + 1) * self.per_rank)
+        if shares is None:
+            mine = slice(rank * self.per_rank, (rank + 1) * self.per_rank)
+        else:
+            lo = sum(shares[:rank])
+            mine = slice(lo, lo + shares[rank])
         return x[mine], y[mine]
 
     def set_lr(self, step: int, steps: int) -> None:
