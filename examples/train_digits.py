@@ -16,7 +16,9 @@ densely; --regions per-rank puts every rank in its own region so everything cros
 is compressed (how to exercise compression on one machine); --regions us,us,eu,eu names each
 rank's region. --config diloco (or diloco-sparse, diloco-int8, diloco-4bit) trains with the
 outer loop: parameters cross regions every --sync-every steps, and the test accuracy is measured
-after its final sync.
+after its final sync. --shares (with "auto") shares each global batch among the ranks by their
+measured throughput (CompressionConfig(global_batch=--batch), cloudtrain.ShareSampler): a rank
+on a faster machine gets more of it.
 
 Every rank trains on its slice of each global batch. The model's initial weights and the order of
 the global batches depend only on --seed, so two runs with different --config (or launchers) see
@@ -49,12 +51,15 @@ def wrap(
     regions: str,
     opt: torch.optim.Optimizer,
     sync_every: str | None = None,
+    global_batch: int | None = None,
 ) -> torch.nn.Module:
     """Plain DDP for --config ddp, else CloudDDP with the preset or codec spec (an outer-loop
     preset such as "diloco" syncs every `sync_every` steps where given)."""
     if config == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
-    resolved = cloudtrain.CompressionConfig.resolve(config, regions=regions)
+    resolved = cloudtrain.CompressionConfig.resolve(
+        config, regions=regions, global_batch=global_batch
+    )
     if resolved.outer is not None and sync_every is not None:
         h = sync_every if sync_every == "auto" else int(sync_every)
         resolved = dataclasses.replace(
@@ -76,17 +81,22 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync-every", help="with --config diloco: inner steps per sync, or auto")
+    parser.add_argument(
+        "--shares", action="store_true", help="with auto: batch shares by measured throughput"
+    )
     args = parser.parse_args()
 
     cloudtrain.init()
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.batch % world:
+    if args.batch % world and not args.shares:
         raise SystemExit(f"--batch {args.batch} must be divisible by the {world} processes")
     x_train, y_train, x_test, y_test = digits(args.seed)
     torch.manual_seed(args.seed)  # the same initial weights whatever the config
     net = digits_mlp()
     opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)  # before wrapping
-    model = wrap(net, args.config, args.regions, opt, args.sync_every)
+    model = wrap(
+        net, args.config, args.regions, opt, args.sync_every, args.batch if args.shares else None
+    )
 
     batches = torch.Generator().manual_seed(args.seed + 1)  # same global batches on every rank
     per_rank = args.batch // world
@@ -97,10 +107,16 @@ def main() -> None:
         disable=rank != 0,
         mininterval=1.0 if sys.stderr.isatty() else 15.0,
     )
+    shared = None
+    if args.shares:  # this rank's share of each global batch, epoch after epoch
+        sampler = cloudtrain.ShareSampler(len(x_train), model, seed=args.seed)
+        shared = (b for _ in iter(int, 1) for b in sampler)
     start = time.perf_counter()
     for step in progress:
         idx = torch.randint(len(x_train), (args.batch,), generator=batches)  # (batch,)
         mine = idx[rank * per_rank : (rank + 1) * per_rank]  # (batch / world,)
+        if shared is not None:
+            mine = torch.tensor(next(shared))  # (its share,)
         loss = F.cross_entropy(model(x_train[mine]), y_train[mine])
         opt.zero_grad(set_to_none=True)
         loss.backward()

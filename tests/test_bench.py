@@ -84,3 +84,25 @@ def test_scenarios_carry_their_rtt_and_the_options_override_them():
     assert hetero.up == {"us": 1000.0, "eu": 50.0} and hetero.rtt_ms == 80
     with pytest.raises(SystemExit, match="--rtt-ms needs shaped links"):
         scenario_links(parser.parse_args(["--scenario", "unshaped", "--rtt-ms", "80"]))
+
+
+def test_hetero_compute_shares_the_batch_by_measured_throughput(tmp_path):
+    """Region eu's emulated accelerator 3x slower: alone its ranks train about a third as many
+    samples per second; with batch shares the fast ranks take the larger part of each step."""
+    cmd = [
+        sys.executable, "-m", "cloudtrain.tools.bench", "--scenario", "hetero-compute",
+        "--steps", "26", "--warmup", "2", "--hidden", "256", "--batch", "256", "--sample-ms", "2",
+        "--slowdown", "3", "--hetero-rows", "ideal", "auto-shares", "--out", str(tmp_path), "--json",
+    ]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    rows = {r["row"]: r for r in report["rows"]}
+    fast, slow = rows["ideal"]["rank_samples_per_s"][:2], rows["ideal"]["rank_samples_per_s"][2:]
+    assert min(fast) > 2 * max(slow), rows["ideal"]["rank_samples_per_s"]
+    assert rows["ideal"]["x_ideal"] == 1 and rows["ideal"]["samples_per_s"] == sum(fast + slow)
+    shared = rows["auto-shares"]["rank_samples_per_s"]
+    # the shares took effect within the run (SHARE_LEAD steps after the first decision arrived):
+    # in lockstep, the fast ranks' samples per second are their larger shares
+    assert min(shared[:2]) > 1.3 * max(shared[2:]), shared
+    assert report["slow_region_alone_samples_per_s"] == pytest.approx(sum(slow))

@@ -123,6 +123,14 @@ def test_train_digits_with_the_outer_loop_under_horovodrun():
     assert result["wan_bytes_sent"] > 0 and result["accuracy"] > 0.8
 
 
+def test_train_digits_with_batch_shares_under_torchrun():
+    args = ["--config", "auto", "--regions", "per-rank", "--steps", "60", "--shares"]
+    result, _ = run(torchrun("train_digits.py", *args))
+    print(f"\ntorchrun train_digits, batch shares: {result}")
+    assert result["world_size"] == 2 and result["wan_bytes_sent"] > 0
+    assert result["accuracy"] > 0.85
+
+
 def test_examples_run_as_one_process():
     digits, _ = run([sys.executable, str(EXAMPLES / "train_digits.py"), "--steps", "30"])
     charlm, _ = run(

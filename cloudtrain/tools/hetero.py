@@ -43,7 +43,7 @@ ROWS: dict[str, tuple[str, str, dict | None, bool]] = {
     "diloco-time": ('"diloco", work by time', "cloud-diloco", {"outer": {"work": "time"}}, True),
 }
 """Row -> (label, method, CompressionConfig overrides, region eu slowed). global_batch None: the
-bench's --batch."""
+workload's global batch (the bench's --batch for its MLP)."""
 
 SLOW_REGION = "eu"
 
@@ -71,10 +71,7 @@ def drive(args: argparse.Namespace, regions: list[str], wan: Any, progress: Any)
         label, method, overrides, slowed = ROWS[name]
         row_args = argparse.Namespace(**vars(args))
         if overrides is not None:
-            fields = dict(overrides)
-            if "global_batch" in fields:
-                fields["global_batch"] = args.batch
-            row_args.overrides = json.dumps(fields)
+            row_args.overrides = json.dumps(overrides)
         row_args.slowdown = args.slowdown if slowed else 1.0
         row_args.slow_region = SLOW_REGION
         with tempfile.TemporaryDirectory(prefix="cloudtrain-hetero-") as folder:

@@ -90,6 +90,8 @@ def worker(args: argparse.Namespace) -> int:
     trainer = WORKLOADS[args.workload].build(args.seed, per_rank, **options)
     model, opt = trainer.model, trainer.optimizer
     overrides = json.loads(args.overrides) if args.overrides else {}
+    if "global_batch" in overrides and overrides["global_batch"] is None:  # the workload's own
+        overrides["global_batch"] = trainer.per_rank * world
     ddp = _wrap(args.method, model, world, opt, overrides)
     slow = os.environ.get("CLOUDTRAIN_REGION") == args.slow_region
     ms_per_sample = args.sample_ms * (args.slowdown if slow else 1.0)
