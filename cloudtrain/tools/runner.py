@@ -69,6 +69,86 @@ def accelerator(ms_per_sample: float, samples: int) -> None:
         time.sleep(ms_per_sample * samples / 1000)
 
 
+def _train(args: argparse.Namespace, ddp: Any, trainer: Any, rank: int, world: int) -> tuple:
+    """The training loop of one rank: (step seconds, rank 0's quality curve, samples by step,
+    the last loss)."""
+    opt = trainer.optimizer
+    slow = os.environ.get("CLOUDTRAIN_REGION") == args.slow_region
+    ms_per_sample = args.sample_ms * (args.slowdown if slow else 1.0)
+    shares = getattr(getattr(ddp, "comm", None), "shares", None)  # with a global batch
+    step_times, curve, samples = [], [], []
+    trained = 0.0
+    # the outer loop working by time: regions run different numbers of inner steps, so every
+    # rank trains until the run's samples (counted alike everywhere) reach --steps global batches
+    outer = getattr(getattr(ddp, "outer", None), "outer", None)
+    by_time = getattr(outer, "work", "steps") == "time"
+    total = trainer.per_rank * world * args.steps
+    step, done = 0, False
+    while not done:
+        share = None if shares is None else shares.at(ddp.steps_done)
+        x, y = trainer.batch(rank, world, share)
+        clock = min(ddp.samples_done * args.steps // total, args.steps - 1) if by_time else step
+        trainer.set_lr(clock, args.steps)  # by samples with work="time"
+        t0 = time.perf_counter()
+        out = ddp(x)
+        accelerator(ms_per_sample, len(x))
+        loss = trainer.loss(out, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        samples.append(len(x))
+        done = ddp.samples_done >= total if by_time else step + 1 == args.steps
+        if done and hasattr(ddp, "finish_outer"):
+            ddp.finish_outer()  # an outer loop's last sync: the replicas become one model
+        took = time.perf_counter() - t0
+        step_times.append(took)
+        trained += took
+        if rank == 0:
+            line = {"step": step + 1, "ms": 1000 * took}
+            if (step + 1) % args.eval_every == 0 or done:
+                quality = trainer.evaluate(trainer.model)
+                curve.append((trained, quality))
+                line["acc"] = quality
+            print(json.dumps(line), flush=True)
+        step += 1
+    return step_times, curve, samples, loss
+
+
+def _result(args: argparse.Namespace, ddp: Any, trainer: Any, step_times, curve, loss) -> dict:
+    """Rank 0's RESULT: times, curve, and what CloudDDP counted and planned."""
+    model = trainer.model
+    result: dict[str, Any] = {
+        "step_times": step_times,
+        "curve": curve,
+        "loss": loss.item(),
+        "metric": trainer.metric,
+        "numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+    comm = getattr(ddp, "comm", None)
+    if comm is not None:
+        stats = ddp.stats()
+        result["wan_bytes_reported"] = stats.wan_bytes_sent
+        seconds = stats.seconds.items()
+        result["comm_ms_per_step"] = {k: 1000 * v / len(step_times) for k, v in seconds}
+        result["sends"] = [list(r) for r in comm.plan.senders]  # the plan the run ended on
+        outer = getattr(ddp, "outer", None)
+        if outer is not None and outer.schedule is not None:  # the outer loop's choice
+            sched = outer.schedule
+            codecs = ", ".join(f"{n}:{lv}" for n, lv in sched.rungs)
+            result["plans"] = [(outer.step, [f"every {sched.sync_every} steps, {codecs}"])]
+            result["outer_schedule"] = [sched.sync_every, [list(r) for r in sched.rungs]]
+            result["staleness"] = [outer.outer.overlap]
+        elif comm.controller is not None:
+            history = comm.controller.history
+            result["plans"] = [(h["step"], h["levels"]) for h in history]
+            result["decisions"] = [h["text"] for h in history]
+            result["staleness"] = sorted({h["staleness"] for h in history} | {comm.plan.staleness})
+        else:
+            result["plans"] = [(0, [f"{n}:{lv}" for n, lv in comm.plan.senders])]
+            result["staleness"] = [comm.plan.staleness]
+    return result
+
+
 def worker(args: argparse.Namespace) -> int:
     """One rank: train, print JSON lines (progress, then the result) on rank 0."""
     import torch
@@ -93,70 +173,12 @@ def worker(args: argparse.Namespace) -> int:
     if "global_batch" in overrides and overrides["global_batch"] is None:  # the workload's own
         overrides["global_batch"] = trainer.per_rank * world
     ddp = _wrap(args.method, model, world, opt, overrides)
-    slow = os.environ.get("CLOUDTRAIN_REGION") == args.slow_region
-    ms_per_sample = args.sample_ms * (args.slowdown if slow else 1.0)
-    shares = getattr(getattr(ddp, "comm", None), "shares", None)  # with a global batch
-    step_times, curve, samples = [], [], []
-    trained = 0.0
-    for step in range(args.steps):
-        share = None if shares is None else shares.at(ddp.steps_done)
-        x, y = trainer.batch(rank, world, share)
-        trainer.set_lr(step, args.steps)
-        t0 = time.perf_counter()
-        out = ddp(x)
-        accelerator(ms_per_sample, len(x))
-        loss = trainer.loss(out, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        samples.append(len(x))
-        if step + 1 == args.steps and hasattr(ddp, "finish_outer"):
-            ddp.finish_outer()  # an outer loop's last sync: the replicas become one model
-        took = time.perf_counter() - t0
-        step_times.append(took)
-        trained += took
-        if rank == 0:
-            line = {"step": step + 1, "ms": 1000 * took}
-            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-                quality = trainer.evaluate(model)
-                curve.append((trained, quality))
-                line["acc"] = quality
-            print(json.dumps(line), flush=True)
+    step_times, curve, samples, loss = _train(args, ddp, trainer, rank, world)
     if args.rank_report:  # every rank's own samples and seconds (the hetero-compute bench)
         with open(os.path.join(args.rank_report, f"rank{rank}.json"), "w") as f:
             json.dump({"samples": samples, "step_times": step_times}, f)
     if rank == 0:
-        result: dict[str, Any] = {
-            "step_times": step_times,
-            "curve": curve,
-            "loss": loss.item(),
-            "metric": trainer.metric,
-            "numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        }
-        comm = getattr(ddp, "comm", None)
-        if comm is not None:
-            stats = ddp.stats()
-            result["wan_bytes_reported"] = stats.wan_bytes_sent
-            seconds = stats.seconds.items()
-            result["comm_ms_per_step"] = {k: 1000 * v / args.steps for k, v in seconds}
-            result["sends"] = [list(r) for r in comm.plan.senders]  # the plan the run ended on
-            outer = getattr(ddp, "outer", None)
-            if outer is not None and outer.schedule is not None:  # the outer loop's choice
-                sched = outer.schedule
-                codecs = ", ".join(f"{n}:{lv}" for n, lv in sched.rungs)
-                result["plans"] = [(outer.step, [f"every {sched.sync_every} steps, {codecs}"])]
-                result["outer_schedule"] = [sched.sync_every, [list(r) for r in sched.rungs]]
-                result["staleness"] = [outer.outer.overlap]
-            elif comm.controller is not None:
-                history = comm.controller.history
-                result["plans"] = [(h["step"], h["levels"]) for h in history]
-                result["decisions"] = [h["text"] for h in history]
-                result["staleness"] = sorted(
-                    {h["staleness"] for h in history} | {comm.plan.staleness}
-                )
-            else:
-                result["plans"] = [(0, [f"{n}:{lv}" for n, lv in comm.plan.senders])]
-                result["staleness"] = [comm.plan.staleness]
+        result = _result(args, ddp, trainer, step_times, curve, loss)
         print("RESULT " + json.dumps(result), flush=True)
     if args.method != "compute":
         import torch.distributed as dist
