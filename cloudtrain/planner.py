@@ -178,7 +178,8 @@ class Planner:
         shard_numels = now.shard_numels
         est = now.estimates.copy()
         est.compute_s = interval.compute_s or est.compute_s or 1.0
-        est.observe_throughput(interval, opts.ewma)
+        if warm:  # (the first steps' compute is slow to warm up: not the ranks' throughput)
+            est.observe_throughput(interval, opts.ewma)
         reprobe = est.observe_links(interval, warm, self.topo.shards, opts.ewma)
         stages = interval.stages if warm else {}
         est.observe_stages(stages, opts.ewma)

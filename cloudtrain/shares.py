@@ -90,7 +90,9 @@ def plan_shares(
     """The shares for the next steps: in proportion to the ranks' throughputs (samples/s), or
     `current` unless that shortens the slowest rank's compute by more than `margin` (or some rank's
     throughput is not measured yet)."""
-    if any(t is None or not t > 0 or not math.isfinite(t) for t in throughput):
+    if len(throughput) != len(current) or any(
+        t is None or not t > 0 or not math.isfinite(t) for t in throughput
+    ):
         return tuple(current)
     rates = [float(t) for t in throughput]  # type: ignore[arg-type]
     proposed = proportional(global_batch, rates)

@@ -41,6 +41,7 @@ def test_shares_change_only_where_the_step_gets_shorter_by_the_margin():
     slow = [100.0, 100.0, 50.0, 50.0]  # region b half as fast: it gets half the samples
     assert plan_shares(256, slow, equal) == (85, 85, 43, 43)
     assert plan_shares(256, [100.0, None, 50.0, 50.0], equal) == equal, "not all measured yet"
+    assert plan_shares(256, [], equal) == equal, "nothing measured yet"
 
 
 def test_a_global_batch_smaller_than_the_ranks_is_refused():
