@@ -91,7 +91,7 @@ def test_hetero_compute_shares_the_batch_by_measured_throughput(tmp_path):
     samples per second; with batch shares the fast ranks take the larger part of each step."""
     cmd = [
         sys.executable, "-m", "cloudtrain.tools.bench", "--scenario", "hetero-compute",
-        "--steps", "26", "--warmup", "2", "--hidden", "256", "--batch", "256", "--sample-ms", "2",
+        "--steps", "40", "--warmup", "20", "--hidden", "256", "--batch", "256", "--sample-ms", "2",
         "--slowdown", "3", "--hetero-rows", "ideal", "auto-shares", "--out", str(tmp_path), "--json",
     ]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
@@ -102,7 +102,7 @@ def test_hetero_compute_shares_the_batch_by_measured_throughput(tmp_path):
     assert min(fast) > 2 * max(slow), rows["ideal"]["rank_samples_per_s"]
     assert rows["ideal"]["x_ideal"] == 1 and rows["ideal"]["samples_per_s"] == sum(fast + slow)
     shared = rows["auto-shares"]["rank_samples_per_s"]
-    # the shares took effect within the run (SHARE_LEAD steps after the first decision arrived):
+    # the shares are in force after the warm-up (SHARE_LEAD steps after the first warm decision):
     # in lockstep, the fast ranks' samples per second are their larger shares
     assert min(shared[:2]) > 1.3 * max(shared[2:]), shared
     assert report["slow_region_alone_samples_per_s"] == pytest.approx(sum(slow))
