@@ -127,6 +127,10 @@ class ControllerOptions:
 
 OUTER_DTYPES = ("float32", "bfloat16")
 
+WORK_MODES = ("steps", "time")
+"""OuterConfig.work: what a round between two syncs is made of - a count of inner steps, the
+same in every region, or a time budget (cloudtrain.rounds)."""
+
 
 @dataclass(frozen=True)
 class OuterConfig:
@@ -172,6 +176,12 @@ class OuterConfig:
     """Keep the outer copy and its momentum in host memory, as INTELLECT-1 does: the accelerator
     holds the model only, and a sync moves one fragment to and from the host."""
 
+    work: str = "steps"
+    """"steps": every region runs sync_every inner steps between two syncs; "time": each runs as
+    many as fit in the time the slowest region takes for sync_every, and the pseudo-gradients
+    are weighted by samples (cloudtrain.rounds; train while CloudDDP.samples_done is below your
+    total, not for a count of steps)."""
+
     def __post_init__(self) -> None:
         if self.sync_every != AUTO:
             try:
@@ -215,6 +225,8 @@ class OuterConfig:
             raise ValueError(f"outer.dtype={self.dtype!r}; use one of {list(OUTER_DTYPES)}")
         if not isinstance(self.host_copy, bool):
             raise ValueError(f"outer.host_copy={self.host_copy!r} must be True or False")
+        if self.work not in WORK_MODES:
+            raise ValueError(f"outer.work={self.work!r}; use one of {list(WORK_MODES)}")
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> OuterConfig:
