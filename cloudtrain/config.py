@@ -368,7 +368,8 @@ class CompressionConfig:
         else:  # the Lighthouse's address may differ per region, like the timeout
             fields["elastic"] = dataclasses.replace(fields["elastic"], lighthouse=None)
         if isinstance(self.outer, OuterConfig):  # likewise: the later fields at their defaults
-            text = repr(self.outer).replace(", work='steps')", ")")
+            text = repr(self.outer).replace(", weighting='equal')", ")")
+            text = text.replace(", work='steps')", ")")
             if not self.outer.host_copy:
                 text = text.replace(", host_copy=False)", ")")
             fields["outer"] = text

@@ -151,7 +151,7 @@ class CloudDDP(DistributedDataParallel):
         if ddp_kwargs.get("find_unused_parameters"):  # see BucketLayouts.track_unused
             self.comm.layouts.track_unused(self.reducer._get_local_used_map, topo.rank == 0)
         comm = self.comm
-        self.outer = None
+        self.outer: OuterLoop | None = None
         if outer:
             self.outer = OuterLoop(
                 config, topo, params, optimizer, comm.stats, lambda: comm.step,

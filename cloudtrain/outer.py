@@ -451,11 +451,11 @@ class OuterLoop:
         self.flights[f] = _FragmentSync(f, step, step + self.outer.overlap, local, future)
 
     def _label(self, f: int) -> int:
-        """The step fragment f's exchange is labelled with (its packets' headers, a codec's
-        seed): the same in every region. With work="time" the regions' own steps differ, so it
-        is the step the sync has with work="steps": fragment f of the round after k boundaries
-        at k*H + f*H//F, fragment 0 at the boundary's (k*H: k counts it), the region's own
-        step where H_r = H."""
+        """The step that labels fragment f's exchange (its packets' headers, a codec's seed),
+        the same in every region: the step itself with work="steps"; with "time", where the
+        regions' steps differ, the step the sync would have with "steps" - k*H + f*H//F after
+        k round boundaries (fragment 0's at its own boundary) - which is the region's own step
+        while every H_r is H."""
         if self.outer.work == "steps":
             return self.step
         assert self.schedule is not None
@@ -480,7 +480,8 @@ class OuterLoop:
             assert self.schedule is not None
             h, frags, tau = self.schedule.sync_every, self.fragments, self.outer.overlap
             rounds.steps = round_steps(h, step_s, frags, tau)
-            rounds.weights = sample_weights(per_region)
+            by_samples = self.outer.weighting == "samples"
+            rounds.weights = sample_weights(per_region) if by_samples else None
             rounds.samples_done += sum(per_region)
         else:
             rounds.samples_done += samples * self.topo.world_size

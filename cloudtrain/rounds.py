@@ -1,4 +1,4 @@
-"""Work by time, not by count (OuterConfig(work="time"), docs/outer-loop.md#work-by-time): a
+"""Work by time, not by count (OuterConfig(work="time"), docs/outer-loop.md, "Work by time"): a
 region whose GPUs are slower or fewer runs fewer inner steps between two syncs, instead of the
 others idling at every sync until it catches up.
 
@@ -11,15 +11,18 @@ samples over the round are gathered (one small all-gather across all ranks), and
 identically on every rank:
 
     H_r of every region for the next round        # round_steps
-    w_r = R n_r / N                               # sample_weights: region r's pseudo-gradients
-                                                  #   are scaled by w_r before the exchange
-                                                  #   sums them and divides by R, so the mean is
+    w_r = R n_r / N                               # sample_weights, with weighting="samples":
+                                                  #   region r's pseudo-gradients are scaled by
+                                                  #   w_r before the exchange sums them and
+                                                  #   divides by R, so the mean is
                                                   #   sum_r n_r Delta_r / N
     samples_done += N                             # the run's clock, the same on every rank
 
 The first round, before anything is measured, has H_r = H in every region. The weights of the
 last boundary serve every sync up to the next one: exact for fragment 0 (and for F = 1), an
-estimate from the last round for the other fragments, whose syncs straddle two rounds.
+estimate from the last round for the other fragments, whose syncs straddle two rounds. The
+default, weighting="equal", averages the regions alike: on regions 2x and 4x slower it trained
+as well or better than weighting by samples (docs/outer-loop.md).
 
 With work="steps" (the default) rounds are the H steps between two syncs of fragment 0, alike in
 every region; nothing is gathered, and samples_done adds this rank's samples x the world size.
