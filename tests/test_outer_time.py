@@ -180,6 +180,28 @@ def test_resume_in_the_middle_of_a_round_equals_the_straight_run():
     assert results[0][0][1] != results[1][0][1], "the regions should differ by their last step"
 
 
+def _auto(rank, world):
+    import cloudtrain
+
+    cloudtrain.init()
+    outer = OuterConfig(sync_every="auto", fragments=2, work="time")
+    *_, ddp = build(outer, "per-rank")
+    opt = ddp.outer.optimizer
+    rounds, steps = train_until(ddp, opt, rank, 0, 2 * 8 * 5 * 3, FAST * (1 + rank))
+    ddp.finish_outer()
+    ddp.verify_replicas()
+    return ddp.outer.schedule, [h for _, h in rounds], steps
+
+
+def test_auto_schedule_chooses_h_from_the_slowest_region():
+    """sync_every="auto": H from the slowest rank's step (a gather before rank 0 chooses), the
+    same on every rank; then rounds as with a fixed H."""
+    (s0, h0, n0), (s1, h1, n1) = run_ranks(2, _auto, timeout=120)
+    assert s0 == s1 and s0.sync_every >= 5, (s0, s1)
+    assert h1 == [s0.sync_every] * len(h1) and all(h >= s0.sync_every for h in h0), (h0, h1)
+    assert n0 >= n1
+
+
 # -- the pieces, and bad input -------------------------------------------------------------------
 
 
