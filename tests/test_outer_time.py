@@ -2,9 +2,9 @@
 run the same rounds as work="steps" and give its outer copy bit for bit; a slower region runs
 fewer inner steps per round while the outer copy stays bit-identical on every rank and training
 ends on `samples_done`; the pseudo-gradients are weighted by samples; a resume in the middle of a
-round equals the straight run; bad input is refused. Steps are slowed by sleeping in proportion
-to the batch, so the measured step times (and so each region's H_r) are far from a rounding
-boundary."""
+round equals the straight run; bad input is refused. Each step is paced to take a time in
+proportion to its batch, its compute included, so the measured step times (and so each region's
+H_r) stay far from a rounding boundary on a busy machine."""
 
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ from cloudtrain.rounds import Rounds, region_totals, round_steps, sample_weights
 
 HIDDEN = 32
 STREAMING = OuterConfig(
-    sync_every=2, fragments=2, overlap=1, codec="quant", level=8, outer_lr=0.7, outer_momentum=0.9
+    sync_every=4, fragments=2, overlap=1, codec="quant", level=8, outer_lr=0.7, outer_momentum=0.9
 )
-"""Two fragments, each merged a step late: H_r = 2 in the slowest region, 3 in one 1.5x faster."""
+"""Two fragments, each merged a step late: H_r = 4 in the slowest region, 6 in one 1.5x faster
+(a median of 4 or more step times: one slow step - a checkpoint's - does not move it)."""
 
 FAST, SLOW = 0.0075, 0.01125
-"""Seconds a sample: 60 and 90 ms a step of 8 samples. With up to 30 ms of compute on top, the
-faster region's H_r is 2 x 1.33-1.5, far from a rounding boundary - from the second round on: the
-first round's one timed step has DDP's bucket rebuild, a collective of all ranks that makes a
-fast region wait for the slow one once."""
+"""Seconds a sample: steps of 8 samples paced to 60 and 90 ms, so the faster region's H_r is
+4 x 1.5 = 6, with a margin of 1/12 either way (the first round's second step has DDP's bucket
+rebuild, a collective of all ranks that makes a fast region wait for the slow one once)."""
 
 
 def crc(t: torch.Tensor) -> int:
@@ -50,16 +50,17 @@ def build(outer: OuterConfig, regions: str):
 
 def train_until(ddp, opt, rank, step, total, per_sample_s, stop=None):
     """The user's loop of a work="time" run from `step`: until the run has trained on `total`
-    samples (or `stop(rounds, loop)` before a step), each step slowed by `per_sample_s` a
-    sample. Returns the outer copy's checksums and the region's H_r at every round boundary
-    passed, and the next step."""
+    samples (or `stop(rounds, loop)` before a step), each step taking `per_sample_s` a sample.
+    Returns the outer copy's checksums and the region's H_r at every round boundary passed, and
+    the next step."""
     loop = ddp.outer
     rounds = []
     while ddp.samples_done < total and not (stop and stop(rounds, loop)):
         x, y = batch(rank, step)
-        time.sleep(per_sample_s * len(x))
+        due = time.perf_counter() + per_sample_s * len(x)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        time.sleep(max(0.0, due - time.perf_counter()))  # the region's GPUs take this long
         start = loop.rounds.start
         opt.step()
         step += 1
@@ -88,12 +89,12 @@ def _equal(rank, world, total):
 
 
 def test_equal_speed_regions_run_the_steps_rounds_bit_for_bit():
-    total = 4 * 8 * 10  # 10 steps of 4 ranks x 8 samples: 5 rounds of H = 2
+    total = 4 * 8 * 12  # 12 steps of 4 ranks x 8 samples: 3 rounds of H = 4
     results = run_ranks(4, _equal, total, timeout=300)
     for rank, runs in enumerate(results):
         steps, time_ = runs["steps"], runs["time"]
-        assert [h for _, h in time_[0]] == [2] * 5, f"rank {rank}: H_r should stay H: {time_[0]}"
-        assert time_[1] == steps[1] == 10 and time_[2] == steps[2] == total
+        assert [h for _, h in time_[0]] == [4] * 3, f"rank {rank}: H_r should stay H: {time_[0]}"
+        assert time_[1] == steps[1] == 12 and time_[2] == steps[2] == total
         assert time_[3] is None, "equal samples: the plain mean, no weights"
         assert time_[0] == steps[0], f"rank {rank}: outer copies differ from work='steps'"
         assert time_[4] == steps[4], f"rank {rank}: parameters differ from work='steps'"
@@ -119,20 +120,20 @@ def _slower(rank, world, total, regions, slow_ranks):
 def test_a_slower_region_runs_fewer_steps_and_the_outer_copy_stays_identical():
     """With weighting="samples": the pseudo-gradients scaled, the outer copy still the same bits
     on every rank."""
-    # region b 1.5x slower: after the first round (H = 2 everywhere, 4 x 2 x 8 samples) a runs 3
-    # steps a round, b 2 (2 x 3 x 8 + 2 x 2 x 8 = 80 samples)
-    total = 64 + 4 * 80
+    # region b 1.5x slower: after the first round (H = 4 everywhere, 4 x 4 x 8 samples) a runs 6
+    # steps a round, b 4 (2 x 6 x 8 + 2 x 4 x 8 = 160 samples)
+    total = 128 + 3 * 160
     results = run_ranks(4, _slower, total, "a,a,b,b", (2, 3), timeout=300)
     rounds = [[h for _, h in r[0]] for r in results]  # H_r of rounds 1, 2, ...
-    assert rounds[0] == rounds[1] and rounds[2] == rounds[3] == [2] * len(rounds[0]), rounds
-    assert all(h >= 3 for h in rounds[0][1:]), f"region a should run 3 steps a round: {rounds}"
+    assert rounds[0] == rounds[1] and rounds[2] == rounds[3] == [4] * len(rounds[0]), rounds
+    assert all(h >= 5 for h in rounds[0]), f"region a should run 6 steps a round: {rounds}"
     for k in range(len(rounds[0])):  # the same outer copy after each round, whatever the count
         assert len({r[0][k][0] for r in results}) == 1, f"outer copies differ after round {k}"
     for rank, r in enumerate(results):  # every region stopped after the same round
-        assert r[1] == 2 + sum(rounds[rank][:-1]), f"rank {rank}: {r[1]} inner steps"
+        assert r[1] == 4 + sum(rounds[rank][:-1]), f"rank {rank}: {r[1]} inner steps"
     assert len({r[2] for r in results}) == 1 and results[0][2] >= total
     assert results[0][2] == sum(r[4] for r in results), "samples_done is not the ranks' samples"
-    last = [16 * rounds[0][-2], 16 * 2]  # the last round's samples of a and b
+    last = [16 * rounds[0][-2], 16 * 4]  # the last round's samples of a and b
     assert {r[3] for r in results} == {sample_weights(last)}, f"not weighted {last}"
 
 
@@ -147,8 +148,9 @@ def _resume(rank, world, total):
     per_sample = SLOW if rank == 1 else FAST
     model, opt, ddp = build(outer, "per-rank")
 
-    def mid_round(rounds, loop):  # round 2, one step in: fragment 1 sent, merged at the next
-        return len(rounds) == 2 and loop.step - loop.rounds.start == 1
+    def mid_round(rounds, loop):  # round 2, fragment 1 just sent (merged at the next step)
+        position = loop.step - loop.rounds.start
+        return len(rounds) == 2 and position == loop.offset(1, loop.round_length())
 
     _, at = train_until(ddp, opt, rank, 0, total, per_sample, stop=mid_round)
     in_flight, position = sorted(ddp.outer.flights), ddp.outer.step - ddp.outer.rounds.start
@@ -168,14 +170,15 @@ def _resume(rank, world, total):
 
 
 def test_resume_in_the_middle_of_a_round_equals_the_straight_run():
-    """Saved one step into the third round, with a fragment in flight, in each region at its
-    own step (rank 1 is 1.5x slower); the resumed run's rounds and parameters are the straight
-    run's, bit for bit."""
-    total = 32 + 4 * 40  # round 0: 2 + 2 steps of 8 samples, then 3 + 2 a round
+    """Saved in the third round, with fragment 1 in flight, in each region at its own step
+    (rank 1 is 1.5x slower: step 2 of its 4 against step 3 of 6 - between the same two syncs
+    everywhere, as a checkpoint must be); the resumed run's rounds and parameters are the
+    straight run's, bit for bit."""
+    total = 64 + 4 * 80  # round 0: 4 + 4 steps of 8 samples, then 6 + 4 a round
     results = run_ranks(2, _resume, total, timeout=300)
     for rank, (straight, resumed, in_flight, position) in enumerate(results):
-        assert in_flight == [1] and position == 1, (in_flight, position)
-        assert [h for _, h in straight[0]] == ([3] * 3 if rank == 0 else [2] * 3), straight[0]
+        assert in_flight == [1] and position == (3 if rank == 0 else 2), (in_flight, position)
+        assert [h for _, h in straight[0]] == ([6] * 3 if rank == 0 else [4] * 3), straight[0]
         assert resumed == straight, f"rank {rank}: the resumed run differs from the straight one"
     assert results[0][0][1] != results[1][0][1], "the regions should differ by their last step"
 
