@@ -187,7 +187,7 @@ class CloudDDP(DistributedDataParallel):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.training and torch.is_grad_enabled():
-            if self.outer is not None:  # (first: a sync it runs counts the samples before this)
+            if self.outer is not None:  # first: a sync it runs counts the samples before this one
                 self.outer.catch_up()  # where AMP skipped this region's last step (OuterLoop)
                 if self.region_buffers is not None:  # DDP's broadcast, inside the region
                     self.region_buffers.in_region()

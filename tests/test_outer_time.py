@@ -1,8 +1,9 @@
 """OuterConfig(work="time") (cloudtrain.rounds) on real processes over gloo: equal-speed regions
 run the same rounds as work="steps" and give its outer copy bit for bit; a slower region runs
 fewer inner steps per round while the outer copy stays bit-identical on every rank and training
-ends on `samples_done`; the pseudo-gradients are weighted by samples; a resume in the middle of a
-round equals the straight run; bad input is refused. Each step is paced to take a time in
+ends on `samples_done`; with weighting="samples" the pseudo-gradients are weighted by samples;
+"auto" chooses H from the slowest region; a resume in the middle of a round equals the straight
+run; bad input is refused. Each step is paced to take a time in
 proportion to its batch, its compute included, so the measured step times (and so each region's
 H_r) stay far from a rounding boundary on a busy machine."""
 
