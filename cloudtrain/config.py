@@ -283,6 +283,11 @@ class CompressionConfig:
                 f"elastic=... with outer.overlap={outer.overlap}: an exchange in flight while "
                 "regions come and go is not supported; use overlap=0"
             )
+        if outer.work != "steps":
+            raise ValueError(
+                f"elastic=... with outer.work={outer.work!r}: rounds by time in an elastic run are "
+                "not supported yet; use work='steps'"
+            )
 
     @classmethod
     def resolve(
@@ -383,8 +388,12 @@ class CompressionConfig:
             fields["elastic"] = dataclasses.replace(fields["elastic"], lighthouse=None)
         if fields["global_batch"] is None:  # (as zstd)
             del fields["global_batch"]
-        if isinstance(self.outer, OuterConfig) and not self.outer.host_copy:  # likewise
-            fields["outer"] = repr(self.outer).replace(", host_copy=False)", ")")
+        if isinstance(self.outer, OuterConfig):  # likewise: the later fields at their defaults
+            text = repr(self.outer).replace(", weighting='equal')", ")")
+            text = text.replace(", work='steps')", ")")
+            if not self.outer.host_copy:
+                text = text.replace(", host_copy=False)", ")")
+            fields["outer"] = text
         text = json.dumps(fields, sort_keys=True, default=repr)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -136,6 +136,13 @@ class CloudDDP(DistributedDataParallel):
         check_agreement(module, config)
         super().__init__(module, **ddp_kwargs)
         topo = Topology.discover(config, config.timeout)
+        by_time = config.outer is not None and config.outer.work == "time"
+        if by_time and not topo.single_region:
+            # regions step apart: DDP's own collectives (its bucket rebuild at the second
+            # forward, find_unused_parameters' map of used parameters) stay inside the region,
+            # or a region would wait in one while another waits in a sync (its parameters were
+            # broadcast across all ranks above, so every region starts from rank 0's)
+            self._update_process_group(topo.group(f"region{topo.region}"))
         params = list(self.module.parameters())
         names = [name for name, _ in self.module.named_parameters()]
         outer = config.outer is not None
@@ -144,11 +151,12 @@ class CloudDDP(DistributedDataParallel):
         if ddp_kwargs.get("find_unused_parameters"):  # see BucketLayouts.track_unused
             self.comm.layouts.track_unused(self.reducer._get_local_used_map, topo.rank == 0)
         comm = self.comm
-        self.outer = (
-            OuterLoop(config, topo, params, optimizer, comm.stats, lambda: comm.step)
-            if outer
-            else None
-        )
+        self.outer: OuterLoop | None = None
+        if outer:
+            self.outer = OuterLoop(
+                config, topo, params, optimizer, comm.stats, lambda: comm.step,
+                samples=lambda: comm.samples,
+            )  # fmt: skip
         self.region_buffers = None
         """Outer-loop mode: the module's buffers, broadcast inside the region only and
         reconciled across regions at syncs (cloudtrain.buffers); None otherwise."""
@@ -184,11 +192,11 @@ class CloudDDP(DistributedDataParallel):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.training and torch.is_grad_enabled():
-            self.comm.count_samples(batch_of(inputs, kwargs))
-            if self.outer is not None:
+            if self.outer is not None:  # first: a sync it runs counts the samples before this one
                 self.outer.catch_up()  # where AMP skipped this region's last step (OuterLoop)
                 if self.region_buffers is not None:  # DDP's broadcast, inside the region
                     self.region_buffers.in_region()
+            self.comm.count_samples(batch_of(inputs, kwargs))
         return super().forward(*inputs, **kwargs)
 
     def batch_size(self) -> int:
@@ -201,6 +209,21 @@ class CloudDDP(DistributedDataParallel):
         """Samples this rank trained on: the leading dimension of the first tensor argument of
         every training forward (1 for a forward without one), since the run started."""
         return self.comm.samples
+
+    @property
+    def samples_done(self) -> int:
+        """The run's samples over all regions, updated only at the outer loop's round boundaries
+        (cloudtrain.rounds), so that `while model.samples_done < total:` stops every region
+        after the same round. With OuterConfig(work="time") it is exact and the same on every
+        rank (regions run different numbers of inner steps: count samples, not steps, and let
+        learning-rate schedules follow it); otherwise it is this rank's samples x the world
+        size (per step without an outer loop), exact where every rank's batches are alike. Not
+        kept in an elastic run: use steps_done there."""
+        if self.outer is None:
+            if self.comm.shares is not None:  # every step trains on the whole global batch
+                return self.comm.step * self.comm.shares.global_batch
+            return self.comm.samples * self.comm.topo.world_size
+        return self.outer.samples_done
 
     @property
     def steps_done(self) -> int:

@@ -127,6 +127,13 @@ class ControllerOptions:
 
 OUTER_DTYPES = ("float32", "bfloat16")
 
+WORK_MODES = ("steps", "time")
+"""OuterConfig.work: what a round between two syncs is made of - a count of inner steps, the
+same in every region, or a time budget (cloudtrain.rounds)."""
+
+WEIGHTINGS = ("equal", "samples")
+"""OuterConfig.weighting: the regions' pseudo-gradients averaged alike, or by their samples."""
+
 
 @dataclass(frozen=True)
 class OuterConfig:
@@ -172,6 +179,17 @@ class OuterConfig:
     """Keep the outer copy and its momentum in host memory, as INTELLECT-1 does: the accelerator
     holds the model only, and a sync moves one fragment to and from the host."""
 
+    work: str = "steps"
+    """"steps": every region runs sync_every inner steps between two syncs; "time": each runs as
+    many as fit in the time the slowest region takes for sync_every, and the pseudo-gradients
+    may be weighted by samples (`weighting`; cloudtrain.rounds; train while
+    CloudDDP.samples_done is below your total, not for a count of steps)."""
+
+    weighting: str = "equal"
+    """With work="time": "equal" averages the regions' pseudo-gradients alike (as work="steps"
+    does); "samples" weights each by the samples its region trained on in the round,
+    sum n_r Delta_r / sum n_r (measured against each other: docs/outer-loop.md)."""
+
     def __post_init__(self) -> None:
         if self.sync_every != AUTO:
             try:
@@ -215,6 +233,15 @@ class OuterConfig:
             raise ValueError(f"outer.dtype={self.dtype!r}; use one of {list(OUTER_DTYPES)}")
         if not isinstance(self.host_copy, bool):
             raise ValueError(f"outer.host_copy={self.host_copy!r} must be True or False")
+        if self.work not in WORK_MODES:
+            raise ValueError(f"outer.work={self.work!r}; use one of {list(WORK_MODES)}")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"outer.weighting={self.weighting!r}; use one of {list(WEIGHTINGS)}")
+        if self.weighting == "samples" and self.work != "time":
+            raise ValueError(
+                "outer.weighting='samples' needs work='time': the regions' samples are gathered "
+                "at its round boundaries (with work='steps' every region runs the same steps)"
+            )
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> OuterConfig:

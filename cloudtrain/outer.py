@@ -30,6 +30,10 @@ until the next sync (`sync_all()` syncs everything and makes all replicas equal)
 `choose_schedule` is the choice of H and of each region's codec from the measured link and step
 time (a pure function): the exchange must hide in the tau steps it overlaps, or, without
 overlap, stall at most `STALL_SHARE` of the compute between two syncs.
+
+With OuterConfig(work="time") each region runs its own H_r steps in a round of H x the slowest
+region's step time, and the pseudo-gradients are weighted by the regions' samples
+(cloudtrain.rounds).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import CommError
+from .collectives import CommError, run_and_wait
 from .compress import ErrorFeedback
 from .compress.ladders import OUTER_LADDER
 from .config import AUTO, CompressionConfig, OuterConfig
@@ -56,12 +60,14 @@ from .datapath import CrossRegion, Shard, pad_to_shards
 from .estimates import region_links
 from .outer_state import _FragmentSync, load_region, region_state
 from .plan import Codecs, Plan, Rung, ceil_div
+from .rounds import Rounds, region_totals, round_steps, sample_weights
 from .stats import CommStats
 from .topology import Topology
 
 log = logging.getLogger("cloudtrain")
 
-OUTER_STATE_FORMAT = 1
+OUTER_STATE_FORMAT = 2
+"""2: with the round (cloudtrain.rounds); 1 (without) still loads, its samples_done from 0."""
 
 SYNC_CHOICES = (5, 10, 20, 50, 100, 200, 500, 1000)
 """Values of H that sync_every="auto" picks from, smallest (best quality) first."""
@@ -281,15 +287,22 @@ class OuterLoop:
         stats: CommStats,
         steps: Callable[[], int],
         *,
+        samples: Callable[[], int] | None = None,
         sharded: bool = False,
     ) -> None:
         """`steps()`: the gradient syncs done so far (the hook's step count) - the clock of the
-        schedule, the same on every rank even where an optimizer step was skipped. `sharded`:
-        FSDP's parameters (cloudtrain.sharded): the outer state is of this rank's shard, swapped
-        whole with its owners in the other regions."""
+        schedule, the same on every rank even where an optimizer step was skipped. `samples()`:
+        the samples this rank trained on so far (CloudDDP's count), which rounds add up and
+        work="time" weights by. `sharded`: FSDP's parameters (cloudtrain.sharded): the outer
+        state is of this rank's shard, swapped whole with its owners in the other regions."""
         outer = config.outer
         if not isinstance(outer, OuterConfig):
             raise ValueError("OuterLoop needs a CompressionConfig with outer=OuterConfig(...)")
+        if outer.work == "time" and (sharded or samples is None):
+            raise ValueError(
+                "outer.work='time' with cloudtrain.fully_shard is not supported yet (it needs the "
+                "samples each rank trains on); use work='steps', or CloudDDP"
+            )
         self.config, self.outer, self.topo = config, outer, topo
         self.params = [p for p in params if p.requires_grad]
         check_optimizer(optimizer, self.params)
@@ -310,7 +323,9 @@ class OuterLoop:
         self.ef = ErrorFeedback(dtype) if outer.error_feedback else None
         self.stats = stats
         self._steps = steps
+        self._samples = samples or (lambda: 0)
         self.step = 0
+        self.rounds = Rounds()
         self.flights: dict[int, _FragmentSync] = {}
         self._times: list[float] = []
         self._last = time.perf_counter()
@@ -333,18 +348,32 @@ class OuterLoop:
         """The region's membership (cloudtrain.elastic.ElasticRegion) in an elastic run: syncs
         then run over the regions present."""
 
-    def offset(self, f: int) -> int:
+    def offset(self, f: int, h: int | None = None) -> int:
+        """Fragment f's sync step in a round of h steps (default the schedule's H)."""
         assert self.schedule is not None
-        return f * self.schedule.sync_every // self.fragments
+        return f * (h or self.schedule.sync_every) // self.fragments
+
+    def round_length(self) -> int:
+        """This region's inner steps in the round (cloudtrain.rounds): H_r, or H."""
+        assert self.schedule is not None
+        steps = self.rounds.steps
+        return self.schedule.sync_every if steps is None else steps[self.topo.region]
+
+    @property
+    def samples_done(self) -> int:
+        """The run's samples over all regions up to the last round boundary (cloudtrain.rounds):
+        with work="time" exact and the same on every rank; with "steps" this rank's samples x
+        the world size (exact where every rank's batches are alike)."""
+        return self.rounds.samples_done
 
     # -- every inner step ---------------------------------------------------------------------
     @torch.no_grad()
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """The optimizer's step post-hook: time the step, then run the schedule (catch_up)."""
-        now = time.perf_counter()
-        self._times.append(now - self._last)
-        self._last = now
+        """The optimizer's step post-hook: time the step, then run the schedule (catch_up). A
+        sync's own time (waiting for the other regions) is not the step's."""
+        self._times.append(time.perf_counter() - self._last)
         self.catch_up()
+        self._last = time.perf_counter()
 
     def catch_up(self) -> None:
         """Run the schedule up to the gradient syncs done - its clock, not optimizer steps:
@@ -367,18 +396,27 @@ class OuterLoop:
         for flight in sorted(self.flights.values(), key=lambda x: x.fragment):
             if flight.merge == self.step:
                 self._merge(flight)
-        h = self.schedule.sync_every
         for f in range(self.fragments):
-            if (self.step - self.offset(f)) % h == 0:
+            if self._due(f):
                 self._sync(f)
 
+    def _due(self, f: int) -> bool:
+        """Fragment f syncs now: at its offset in every round, fragment 0 at the round's end."""
+        assert self.schedule is not None
+        if self.outer.work == "steps":
+            return (self.step - self.offset(f)) % self.schedule.sync_every == 0
+        h = self.round_length()
+        return self.step - self.rounds.start == (self.offset(f, h) if f else h)
+
     def _decide(self) -> None:
-        """H and the codecs, from rank 0's measured step time and the probed links; every rank
-        gets rank 0's choice."""
+        """H and the codecs, from rank 0's measured step time (with work="time" the slowest
+        rank's) and the probed links; every rank gets rank 0's choice."""
         outer = self.outer
         choice: list[Any] = [None]
+        step_s = self._step_s()
+        if outer.work == "time":
+            step_s = max(s for s, _ in self._gather(step_s, 0))
         if self.topo.rank == 0:
-            step_s = statistics.median(self._times[1:] or self._times)
             links = self.links or [LinkEstimate(1e12, 0.0)] * len(self.topo.regions)
             ladder = OUTER_LADDER if outer.codec == AUTO else ((outer.codec, outer.level),)
             choice[0] = choose_schedule(
@@ -390,8 +428,11 @@ class OuterLoop:
         self.schedule = choice[0]
 
     def _delta(self, f: int, local: torch.Tensor) -> torch.Tensor:
-        """Fragment f's pseudo-gradient, where the outer copy lives."""
-        return self.global_[f].float() - local.to(self.global_[f].device)
+        """Fragment f's pseudo-gradient, where the outer copy lives; scaled by the region's
+        sample weight where regions trained on different numbers of samples (cloudtrain.rounds)."""
+        delta = self.global_[f].float() - local.to(self.global_[f].device)
+        weights = self.rounds.weights
+        return delta if weights is None else delta.mul_(weights[self.topo.region])
 
     def _sync(self, f: int) -> None:
         if self.elastic is not None:  # over the regions present (cloudtrain.elastic)
@@ -399,20 +440,73 @@ class OuterLoop:
             return
         if f == 0:
             self._reconcile_buffers()
+            self._end_round()
         local = self.parts.local(f)
         delta = self._delta(f, local)
-        step = self.step
+        step, label = self.step, self._label(f)
         if self.outer.overlap == 0:
-            self._apply(f, self._exchange(f, delta, step), local, local)
+            self._apply(f, self._exchange(f, delta, label), local, local)
             return
-        future = self._pool.submit(self._exchange, f, delta, step)
+        future = self._pool.submit(self._exchange, f, delta, label)
         self.flights[f] = _FragmentSync(f, step, step + self.outer.overlap, local, future)
+
+    def _label(self, f: int) -> int:
+        """The step that labels fragment f's exchange (its packets' headers, a codec's seed),
+        the same in every region: the step itself with work="steps"; with "time", where the
+        regions' steps differ, the step the sync would have with "steps" - k*H + f*H//F after
+        k round boundaries (fragment 0's at its own boundary) - which is the region's own step
+        while every H_r is H."""
+        if self.outer.work == "steps":
+            return self.step
+        assert self.schedule is not None
+        return self.rounds.index * self.schedule.sync_every + self.offset(f)
 
     def _reconcile_buffers(self) -> None:
         """The regions' buffers made one (cloudtrain.buffers), on the training thread."""
         if self.buffers is not None and not self.topo.single_region:
             where = f" at outer step {self.step}"
             self.buffers.across_regions(self.topo.group("control"), self.config.timeout, where)
+
+    def _end_round(self) -> None:
+        """The round boundary, at fragment 0's sync (cloudtrain.rounds): the samples of the run
+        so far; with work="time" also every region's H_r for the next round and the weights of
+        the syncs until the next boundary, from every rank's gathered step time and samples."""
+        rounds = self.rounds
+        samples = self._samples() - rounds.samples_at_start
+        if self.outer.work == "time":
+            step_s, per_region = region_totals(
+                self._gather(self._step_s(), samples), self.topo.members
+            )
+            assert self.schedule is not None
+            h, frags, tau = self.schedule.sync_every, self.fragments, self.outer.overlap
+            rounds.steps = round_steps(h, step_s, frags, tau)
+            by_samples = self.outer.weighting == "samples"
+            rounds.weights = sample_weights(per_region) if by_samples else None
+            rounds.samples_done += sum(per_region)
+        else:
+            rounds.samples_done += samples * self.topo.world_size
+        rounds.start, rounds.samples_at_start = self.step, self._samples()
+        rounds.index += 1
+        self._times = []
+
+    def _step_s(self) -> float:
+        """The median inner step of the round so far, the run's first (its warm-up) left out;
+        0 where none was timed."""
+        times = self._times[1:] if self.rounds.index == 0 else self._times
+        return statistics.median(times or self._times or [0.0])
+
+    def _gather(self, step_s: float, samples: int) -> list[tuple[float, int]]:
+        """Every rank's (step seconds, samples), by rank: one small all-gather of all ranks, on
+        the training thread."""
+        mine = torch.tensor([step_s, float(samples)], dtype=torch.float64)  # exact below 2**53
+        everyone = [torch.empty_like(mine) for _ in range(self.topo.world_size)]
+        run_and_wait(
+            "round report", list(range(self.topo.world_size)), self.config.timeout,
+            lambda: dist.all_gather(everyone, mine, group=self.topo.group("control"),
+                                    async_op=True),
+            f" at outer step {self.step}",
+        )  # fmt: skip
+        return [(float(t[0]), int(t[1])) for t in everyone]
 
     def _merge(self, flight: _FragmentSync) -> None:
         del self.flights[flight.fragment]
@@ -496,7 +590,8 @@ class OuterLoop:
                 self.elastic.sync(f)
                 continue
             local = self.parts.local(f)
-            self._apply(f, self._exchange(f, self._delta(f, local), self.step), local, local)
+            label = self._label(0)  # as the last boundary's, where a samples_done loop ends
+            self._apply(f, self._exchange(f, self._delta(f, local), label), local, local)
 
     def _wait(self) -> None:
         for flight in self.flights.values():
@@ -523,16 +618,23 @@ class OuterLoop:
             "flights": [
                 fl.state_dict() for fl in sorted(self.flights.values(), key=lambda x: x.fragment)
             ],
+            "rounds": self.rounds.state_dict(self._samples()),
+            "round_times": list(self._times),  # the round's steps so far: its median goes on
         }
         if self.elastic is not None:
             state["elastic"] = self.elastic.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or state.get("format") != OUTER_STATE_FORMAT:
+        if not isinstance(state, dict) or state.get("format") not in (1, OUTER_STATE_FORMAT):
             raise ValueError(
                 "outer state: expected the 'outer' entry of CloudDDP.comm_state_dict() of this "
                 "cloudtrain release"
+            )
+        if state["format"] == 1 and self.outer.work == "time":
+            raise ValueError(
+                "outer state: saved by a release without outer.work, so without the round that "
+                "work='time' resumes; resume it with work='steps'"
             )
         if len(state["global"]) != self.fragments:
             raise ValueError(
@@ -559,7 +661,9 @@ class OuterLoop:
             load_region(self, state["region"])
         if self.elastic is not None and state.get("elastic") is not None:
             self.elastic.load_state_dict(state["elastic"])
-        self._times, self._last = [], time.perf_counter()
+        rounds = state.get("rounds")  # (format 1: samples_done counts from the resume)
+        self.rounds = Rounds() if rounds is None else Rounds.from_state(rounds, self._samples())
+        self._times, self._last = list(state.get("round_times", [])), time.perf_counter()
 
     def settle(self) -> None:
         """Wait until the exchanges in flight have crossed (every rank has started them); they

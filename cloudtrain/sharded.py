@@ -445,6 +445,11 @@ def fully_shard(
             "cloudtrain.fully_shard: elastic regions (config.elastic) work with CloudDDP's outer "
             "loop only; a sharded run keeps a fixed set of regions - leave elastic unset"
         )
+    if config is not None and config.outer is not None and config.outer.work == "time":
+        raise ValueError(
+            "cloudtrain.fully_shard: outer.work='time' is not supported yet with sharding (it "
+            "needs the samples each rank trains on); use work='steps', or CloudDDP"
+        )
     if config is not None and config.global_batch is not None:
         raise ValueError(
             "cloudtrain.fully_shard: batch shares (config.global_batch) work with CloudDDP only; "
