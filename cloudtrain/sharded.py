@@ -447,8 +447,8 @@ def fully_shard(
         )
     if config is not None and config.outer is not None and config.outer.work == "time":
         raise ValueError(
-            "cloudtrain.fully_shard: outer.work='time' is not supported yet with sharding (it "
-            "needs the samples each rank trains on); use work='steps', or CloudDDP"
+            "outer.work='time' with cloudtrain.fully_shard is not supported yet (it needs the "
+            "samples each rank trains on); use work='steps', or CloudDDP"
         )
     if config is not None and config.global_batch is not None:
         raise ValueError(
