@@ -300,24 +300,10 @@ def test_a_state_without_the_round_is_refused_by_work_time():
         assert message is not None and "work='steps'" in message
 
 
-def _sharded_by_time(rank, world):
-    from test_sharded import shard
-
+def test_work_time_is_refused_with_fully_shard():
+    """At the fully_shard call, before any process group or FSDP unit is made."""
     import cloudtrain
 
-    cloudtrain.init()
-    config = CompressionConfig(
-        regions="per-rank", outer=dataclasses.replace(STREAMING, work="time")
-    )
-    model = shard(make_model(), config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    try:
-        cloudtrain.ShardedComm.of(model).attach(opt)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def test_work_time_is_refused_with_fully_shard():
-    for message in run_ranks(2, _sharded_by_time, timeout=120):
-        assert message is not None and "fully_shard is not supported yet" in message
+    config = CompressionConfig(outer=dataclasses.replace(STREAMING, work="time"))
+    with pytest.raises(ValueError, match="fully_shard is not supported yet"):
+        cloudtrain.fully_shard(make_model(), config=config)
