@@ -14,7 +14,8 @@ Side by side, with the same data and seed:
 - DDP with no region slowed: the quality reference;
 - DDP, "auto" without and with batch shares (CompressionConfig(global_batch=...), cloudtrain.
   shares), all with region eu slowed;
-- the outer loop ("diloco") counting H steps, and working by time (OuterConfig(work="time")).
+- the outer loop ("diloco") counting H steps, and working by time (OuterConfig(work="time")),
+  also with each exchange running one inner step behind (overlap=1).
 
 Each row's throughput is the samples every rank trained on after the warm-up steps over the
 longest rank's seconds for them (every rank reports its own: --rank-report); the table gives it
@@ -33,6 +34,9 @@ from typing import Any
 
 from .runner import Run, run_method
 
+BEHIND = {"outer": {"work": "time", "overlap": 1}}
+"""By time, each exchange merged one inner step after it started (OuterConfig.overlap)."""
+
 ROWS: dict[str, tuple[str, str, dict | None, bool]] = {
     "ideal": ("every rank alone: the ideal", "compute", None, True),
     "ddp-even": ("DDP, no region slowed", "ddp", None, False),
@@ -41,6 +45,7 @@ ROWS: dict[str, tuple[str, str, dict | None, bool]] = {
     "auto-shares": ('"auto" + batch shares', "cloud-auto", {"global_batch": None}, True),
     "diloco": ('"diloco", H steps', "cloud-diloco", None, True),
     "diloco-time": ('"diloco", work by time', "cloud-diloco", {"outer": {"work": "time"}}, True),
+    "diloco-overlap": ('"diloco", by time, overlap 1', "cloud-diloco", BEHIND, True),
 }
 """Row -> (label, method, CompressionConfig overrides, region eu slowed). global_batch None: the
 workload's global batch (the bench's --batch for its MLP)."""
