@@ -77,11 +77,11 @@ class Decision:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Decision:
-        fields = {f.name: state.get(f.name) for f in dataclasses.fields(cls)}
+        fields = {f.name: state[f.name] for f in dataclasses.fields(cls) if f.name != "shares"}
         for name in ("rungs", "streak", "zstd"):
             fields[name] = tuple(fields[name])
-        if fields["shares"] is not None:
-            fields["shares"] = tuple(fields["shares"])
+        shares = state.get("shares")  # (not in states saved before batch shares)
+        fields["shares"] = None if shares is None else tuple(shares)
         return cls(**fields)
 
 
@@ -136,7 +136,6 @@ class Planner:
         self.options: ControllerOptions = config.controller
         self.codecs, self.topo, self.cpu_per_element = codecs, topo, list(cpu_per_element)
         self.zstd_choice = config.zstd  # None: decided per link (plan_zstd)
-        self.global_batch = config.global_batch
         self.pinned_staleness = config.staleness is not None  # the user's, not the guard's
         self.allowed_staleness: tuple[int, ...] = (
             (config.staleness,) if self.pinned_staleness else tuple(range(self.options.max_staleness + 1))
@@ -207,8 +206,8 @@ class Planner:
         plan = (rungs, staleness, zstd)
         record = _record(step, opts.ladder, self.topo.regions, model, plan, interval, notes)
         shares = None
-        if self.global_batch is not None and now.shares is not None:
-            shares = plan_shares(self.global_batch, est.throughput, now.shares)
+        if now.shares is not None:  # with a global batch: the shares split it
+            shares = plan_shares(sum(now.shares), est.throughput, now.shares)
             record["shares"] = list(shares)
         return Decision(
             step, tuple(rungs), tuple(streak), staleness, tuple(zstd), every, reprobe,

@@ -76,6 +76,12 @@ def proportional(global_batch: int, weights: Sequence[float]) -> tuple[int, ...]
     return tuple(s + 1 for s in shares)
 
 
+def share_slice(shares: Sequence[int], rank: int) -> slice:
+    """Rank `rank`'s part of a global batch split into `shares`: after its lower ranks' parts."""
+    lo = sum(shares[:rank])
+    return slice(lo, lo + shares[rank])
+
+
 def compute_seconds(shares: Sequence[int], throughput: Sequence[float]) -> float:
     """The step's compute under `shares`: the slowest rank's."""
     return max(b / t for b, t in zip(shares, throughput, strict=True))
@@ -220,12 +226,12 @@ class ShareSampler(torch.utils.data.Sampler[list[int]]):
         rank = self.model.comm.topo.rank
         step = self.model.steps_done  # the step the first batch drawn now is for
         while self.position < len(self):
-            shares = self.shares.at(step)
-            lo = self.position * batch + sum(shares[:rank])
+            mine = share_slice(self.shares.at(step), rank)
+            start = self.position * batch
             self.shares.drawn_through = step
             self.position += 1
             step += 1
-            yield order[lo : lo + shares[rank]].tolist()
+            yield order[start + mine.start : start + mine.stop].tolist()
 
     def state_dict(self) -> dict[str, int]:
         """Where the sampler is: take it at the step the model's state is taken (what a loader

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..shares import share_slice
 from .data import CharLM, digits, digits_mlp, stdlib_text, windows
 
 
@@ -64,8 +65,7 @@ class Trainer:
         if shares is None:
             mine = slice(rank * self.per_rank, (rank + 1) * self.per_rank)
         else:
-            lo = sum(shares[:rank])
-            mine = slice(lo, lo + shares[rank])
+            mine = share_slice(shares, rank)
         return x[mine], y[mine]
 
     def set_lr(self, step: int, steps: int) -> None:
