@@ -17,11 +17,12 @@ Side by side, with the same data and seed:
 - the outer loop ("diloco") counting H steps, and working by time (OuterConfig(work="time")),
   also with each exchange running one inner step behind (overlap=1).
 
-Each row's throughput is the samples every rank trained on after the warm-up steps over the
-longest rank's seconds for them (every rank reports its own: --rank-report); the table gives it
-against the ideal and against twice the slow region's standalone throughput (what synchronous
-equal batches reach on two regions), and the final quality against homogeneous DDP's at equal
-samples (within 1 point of accuracy passes).
+Each row's throughput is the samples every rank trained on in the wall-clock window that all
+ranks spend past their warm-up steps, over that window (every rank reports its own steps:
+--rank-report; window_rate() says why one window for all); the table gives it against the ideal
+and against twice the slow region's standalone throughput (what synchronous equal batches reach
+on two regions), and the final quality against homogeneous DDP's at equal samples (within 1
+point of accuracy passes).
 """
 
 from __future__ import annotations
@@ -57,16 +58,35 @@ SAMPLE_MS = 0.5
 per rank) 256 ms of compute per step, which the WAN's costs can hide behind."""
 
 
-def throughput(folder: Path, ranks: int, warmup: int) -> tuple[float, list[float]]:
-    """(samples/s of the whole run - every rank's samples over the longest rank's seconds -,
-    each rank's own samples/s) from the ranks' reports."""
-    samples, seconds = [], []
-    for rank in range(ranks):
-        report = json.loads((folder / f"rank{rank}.json").read_text())
-        samples.append(sum(report["samples"][warmup:]))
-        seconds.append(sum(report["step_times"][warmup:]))
-    own = [n / s for n, s in zip(samples, seconds, strict=True)]
-    return sum(samples) / max(seconds), own
+def reports(folder: Path, ranks: int) -> list[dict[str, list[float]]]:
+    """Every rank's report: its samples, seconds and wall-clock end of each step."""
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def own_rates(reports: list[dict[str, list[float]]], warmup: int) -> list[float]:
+    """Each rank's samples after its warm-up steps over their seconds."""
+    return [sum(rep["samples"][warmup:]) / sum(rep["step_times"][warmup:]) for rep in reports]
+
+
+def window_rate(reports: list[dict[str, list[float]]], warmup: int) -> float:
+    """Samples/s of the whole run: every rank's samples in the wall-clock window that all ranks
+    spend past their warm-ups (from the last warm-up's end to the first rank's last step; a step
+    half inside counts half) over that window. Regions working by time run different numbers of
+    steps, so their warm-ups end at different times, and their samples over the longest rank's
+    seconds would count the slow region over a shorter window than the others. For ranks that
+    step together it is their samples over their seconds."""
+    first = warmup - 1 if warmup else 0  # the step whose end (or, with no warm-up, start) opens
+    start = max(rep["ends"][first] - (0 if warmup else rep["step_times"][0]) for rep in reports)
+    stop = min(rep["ends"][-1] for rep in reports)
+    if stop <= start:
+        raise ValueError(f"no wall-clock window past every rank's {warmup} warm-up steps: "
+                         "run more --steps or fewer --warmup")  # fmt: skip
+    inside = 0.0
+    for rep in reports:
+        for n, took, end in zip(rep["samples"], rep["step_times"], rep["ends"], strict=True):
+            overlap = min(end, stop) - max(end - took, start)
+            inside += n * max(0.0, min(1.0, overlap / took)) if took > 0 else 0.0
+    return inside / (stop - start)
 
 
 def drive(args: argparse.Namespace, regions: list[str], wan: Any, progress: Any) -> dict[str, Any]:
@@ -83,9 +103,10 @@ def drive(args: argparse.Namespace, regions: list[str], wan: Any, progress: Any)
             row_args.rank_report = folder
             progress.set_postfix_str(name)
             run: Run = run_method(method, row_args, wan, regions, progress)
-            whole, own = throughput(Path(folder), len(regions), args.warmup)
-        if method == "compute":  # the ranks alone, each at its own pace: the sum of their rates
-            whole = sum(own)
+            ranks = reports(Path(folder), len(regions))
+        own = own_rates(ranks, args.warmup)
+        # the ranks alone, each at its own pace, need not overlap in time: the sum of their rates
+        whole = sum(own) if method == "compute" else window_rate(ranks, args.warmup)
         runs.append(run)
         rows.append({
             "row": name, "label": label, "samples_per_s": whole, "rank_samples_per_s": own,

@@ -71,12 +71,12 @@ def accelerator(ms_per_sample: float, samples: int) -> None:
 
 def _train(args: argparse.Namespace, ddp: Any, trainer: Any, rank: int, world: int) -> tuple:
     """The training loop of one rank: (step seconds, rank 0's quality curve, samples by step,
-    the last loss)."""
+    the last loss, each step's end on the wall clock)."""
     opt = trainer.optimizer
     slow = os.environ.get("CLOUDTRAIN_REGION") == args.slow_region
     ms_per_sample = args.sample_ms * (args.slowdown if slow else 1.0)
     shares = getattr(getattr(ddp, "comm", None), "shares", None)  # with a global batch
-    step_times, curve, samples = [], [], []
+    step_times, curve, samples, ends = [], [], [], []
     trained = 0.0
     # the outer loop working by time: regions run different numbers of inner steps, so every
     # rank trains until the run's samples (counted alike everywhere) reach --steps global batches
@@ -102,6 +102,7 @@ def _train(args: argparse.Namespace, ddp: Any, trainer: Any, rank: int, world: i
             ddp.finish_outer()  # an outer loop's last sync: the replicas become one model
         took = time.perf_counter() - t0
         step_times.append(took)
+        ends.append(time.time())
         trained += took
         if rank == 0:
             line = {"step": step + 1, "ms": 1000 * took}
@@ -111,7 +112,7 @@ def _train(args: argparse.Namespace, ddp: Any, trainer: Any, rank: int, world: i
                 line["acc"] = quality
             print(json.dumps(line), flush=True)
         step += 1
-    return step_times, curve, samples, loss
+    return step_times, curve, samples, loss, ends
 
 
 def _result(args: argparse.Namespace, ddp: Any, trainer: Any, step_times, curve, loss) -> dict:
@@ -173,10 +174,10 @@ def worker(args: argparse.Namespace) -> int:
     if "global_batch" in overrides and overrides["global_batch"] is None:  # the workload's own
         overrides["global_batch"] = trainer.per_rank * world
     ddp = _wrap(args.method, model, world, opt, overrides)
-    step_times, curve, samples, loss = _train(args, ddp, trainer, rank, world)
+    step_times, curve, samples, loss, ends = _train(args, ddp, trainer, rank, world)
     if args.rank_report:  # every rank's own samples and seconds (the hetero-compute bench)
         with open(os.path.join(args.rank_report, f"rank{rank}.json"), "w") as f:
-            json.dump({"samples": samples, "step_times": step_times}, f)
+            json.dump({"samples": samples, "step_times": step_times, "ends": ends}, f)
     if rank == 0:
         result = _result(args, ddp, trainer, step_times, curve, loss)
         print("RESULT " + json.dumps(result), flush=True)
