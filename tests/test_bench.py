@@ -92,22 +92,24 @@ def test_hetero_throughput_counts_every_rank_over_the_window_all_share(tmp_path)
     warm-ups (20 s to 40 s) the fast ranks train 200 samples each and the slow 100: 30 samples/s,
     the sum of the ranks' own rates. Samples over the longest rank's post-warm-up seconds would
     give 26.7, counting the slow pair over 20 s of the fast pair's 30."""
-    from cloudtrain.tools.hetero import own_rates, reports, window_rate
+    from cloudtrain.tools.hetero import own_rates, read_reports, window_rate
 
     for rank, (seconds, steps) in enumerate([(1.0, 40), (1.0, 40), (2.0, 20), (2.0, 20)]):
         ends = [seconds * (i + 1) for i in range(steps)]
         report = {"samples": [10] * steps, "step_times": [seconds] * steps, "ends": ends}
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(report))
-    assert own_rates(reports(tmp_path, 4), 10) == [10.0, 10.0, 5.0, 5.0]
-    assert window_rate(reports(tmp_path, 4), 10) == pytest.approx(30.0)
+    assert own_rates(read_reports(tmp_path, 4), 10) == [10.0, 10.0, 5.0, 5.0]
+    assert window_rate(read_reports(tmp_path, 4), 10) == pytest.approx(30.0)
     # a step half inside the window counts half: the slow pair one second later
     for rank in (2, 3):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         report["ends"] = [end + 1.0 for end in report["ends"]]
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(report))
-    assert window_rate(reports(tmp_path, 4), 10) == pytest.approx((2 * 190 + 2 * 95) / 19)
+    assert window_rate(read_reports(tmp_path, 4), 10) == pytest.approx((2 * 190 + 2 * 95) / 19)
     with pytest.raises(ValueError, match="no wall-clock window past every rank.s 20 warm-up"):
-        window_rate(reports(tmp_path, 4), 20)  # a warm-up ending (41 s) after the last step (40 s)
+        window_rate(
+            read_reports(tmp_path, 4), 20
+        )  # a warm-up ending (41 s) after the last step (40 s)
 
 
 def test_hetero_compute_shares_the_batch_by_measured_throughput(tmp_path):

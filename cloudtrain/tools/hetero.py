@@ -58,7 +58,7 @@ SAMPLE_MS = 0.5
 per rank) 256 ms of compute per step, which the WAN's costs can hide behind."""
 
 
-def reports(folder: Path, ranks: int) -> list[dict[str, list[float]]]:
+def read_reports(folder: Path, ranks: int) -> list[dict[str, list[float]]]:
     """Every rank's report: its samples, seconds and wall-clock end of each step."""
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(ranks)]
 
@@ -103,7 +103,7 @@ def drive(args: argparse.Namespace, regions: list[str], wan: Any, progress: Any)
             row_args.rank_report = folder
             progress.set_postfix_str(name)
             run: Run = run_method(method, row_args, wan, regions, progress)
-            ranks = reports(Path(folder), len(regions))
+            ranks = read_reports(Path(folder), len(regions))
         own = own_rates(ranks, args.warmup)
         # the ranks alone, each at its own pace, need not overlap in time: the sum of their rates
         whole = sum(own) if method == "compute" else window_rate(ranks, args.warmup)
