@@ -79,9 +79,9 @@ class ControllerOptions:
     (a step's exchange applied up to this many steps late), and only as deep as the quality
     guard allows (docs/quality.md: with momentum a stale update is rarely safe). 1 is Pipe-SGD's
     width-2 pipeline."""
-    quality_bound: float | None = 0.02
+    quality_bound: float | None = 0.015
     """The quality guard (cloudtrain.guard): the most a region's compression may change the
-    update a momentum of 0.9 integrates, as a squared relative error (0.02: about 14 %) before
+    update a momentum of 0.9 integrates, as a squared relative error (0.015: about 12 %) before
     its rung is lowered; None turns the guard off (the ceilings, then, are the cost model's)."""
     drift_bound: float = 0.05
     """The quality guard's test for a pipeline: the most the gradient may change per step, as a

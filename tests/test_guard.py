@@ -18,6 +18,7 @@ from support import skip_or_fail
 
 from cloudtrain.compress import ErrorFeedback, RandomKey, make_codec
 from cloudtrain.guard import MOMENTUM, QualityGuard, QualityProbe, QualitySums, first_ceiling
+from cloudtrain.options import ControllerOptions
 from cloudtrain.tools import netem
 from cloudtrain.tools.netem import Emulator, teardown
 
@@ -84,7 +85,7 @@ def test_the_probe_measures_the_update_error_of_the_real_codec_and_pipeline(spec
 
 
 def test_sparse_codecs_are_far_from_the_exact_update_and_quantization_is_not():
-    bound = 0.02
+    bound = ControllerOptions().quality_bound  # the default the guard runs with
     far = {spec: stream(spec, 0, sample=1000)[1] for spec in ("topk:0.01", "topk:0.1", "quant:4")}
     assert far["topk:0.01"] > far["topk:0.1"] > bound > 10 * far["quant:4"], far
 

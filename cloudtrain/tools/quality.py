@@ -71,7 +71,7 @@ def _row(label: str, run: Run, metric: str, scenario: str) -> dict[str, Any]:
         "metric": metric,
         "step_ms": run.step_ms,
         "wan_bytes": run.wan_bytes,
-        "plans": run.plans[-1:] if run.plans else None,
+        "plans": run.plans,
         "staleness": run.staleness,
         "curve": run.curve,
     }
