@@ -29,6 +29,8 @@ from .options import (  # noqa: F401  (the parts' options, importable from here 
     AUTO,
     MAX_STALENESS,
     OUTER_DTYPES,
+    QUALITY_BOUND,
+    QUALITY_BOUND_BEFORE,
     ControllerOptions,
     ElasticConfig,
     OuterConfig,
@@ -388,6 +390,12 @@ class CompressionConfig:
             fields["elastic"] = dataclasses.replace(fields["elastic"], lighthouse=None)
         if fields["global_batch"] is None:  # (as zstd)
             del fields["global_batch"]
+        if fields["controller"].quality_bound == QUALITY_BOUND:  # the default, fingerprinted as
+            # it was before it moved to 0.015: states saved with the default still load (only
+            # rank 0 decides with the bound's value; the guard's state has the same form)
+            fields["controller"] = dataclasses.replace(
+                fields["controller"], quality_bound=QUALITY_BOUND_BEFORE
+            )
         if isinstance(self.outer, OuterConfig):  # likewise: the later fields at their defaults
             text = repr(self.outer).replace(", weighting='equal')", ")")
             text = text.replace(", work='steps')", ")")

@@ -52,6 +52,11 @@ def _known(cls: type, options: dict[str, Any], what: str) -> dict[str, Any]:
 MAX_STALENESS = 16
 """The most steps an exchange may be applied late."""
 
+QUALITY_BOUND = 0.015
+"""ControllerOptions.quality_bound's default (docs/quality.md: 0.02 until 2026-12-02)."""
+QUALITY_BOUND_BEFORE = 0.02
+"""The default it replaced, which config fingerprints keep (CompressionConfig.fingerprint)."""
+
 
 @dataclass(frozen=True)
 class ControllerOptions:
@@ -79,7 +84,7 @@ class ControllerOptions:
     (a step's exchange applied up to this many steps late), and only as deep as the quality
     guard allows (docs/quality.md: with momentum a stale update is rarely safe). 1 is Pipe-SGD's
     width-2 pipeline."""
-    quality_bound: float | None = 0.015
+    quality_bound: float | None = QUALITY_BOUND
     """The quality guard (cloudtrain.guard): the most a region's compression may change the
     update a momentum of 0.9 integrates, as a squared relative error (0.015: about 12 %) before
     its rung is lowered; None turns the guard off (the ceilings, then, are the cost model's)."""

@@ -255,6 +255,13 @@ def test_work_steps_keeps_every_fingerprint():
     assert (
         CompressionConfig(outer=OuterConfig(work="time")).fingerprint() != configs[0].fingerprint()
     )
+    # the guard's default bound moved (0.02 -> 0.015): states saved with the default still load;
+    # another bound is another config
+    default = CompressionConfig(outer=OuterConfig())
+    same = CompressionConfig(outer=OuterConfig(), controller={"quality_bound": 0.015})
+    other = CompressionConfig(outer=OuterConfig(), controller={"quality_bound": 0.03})
+    assert default.controller.quality_bound == 0.015
+    assert same.fingerprint() == default.fingerprint() != other.fingerprint()
 
 
 @pytest.mark.parametrize("work", ["fast", None, "Time", 1])
