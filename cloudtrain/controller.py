@@ -261,7 +261,11 @@ class Controller:
         names, ladder, est = self.topo.regions, self.options.ladder, self.estimates
         out: dict[str, Any] = {
             "links": {
-                name: {"bandwidth_mbit": None if b is None else 8 * b / 1e6, "rtt_ms": 1000 * rtt}
+                name: {
+                    "bandwidth_mbit": None if b is None else 8 * b / 1e6,  # one sender's share
+                    "senders": self.topo.shards,  # the region's shard owners, sending at once
+                    "rtt_ms": 1000 * rtt,
+                }
                 for name, b, rtt in zip(names, est.bandwidth, est.rtt, strict=True)
             },
             "plan": {
@@ -281,6 +285,19 @@ class Controller:
             "batch_shares": None if self.shares is None else list(self.shares.latest),
         }  # fmt: skip
         return out
+
+    def plan_for_links(
+        self, mbit: Sequence[float], rtt_ms: Sequence[float], shard_numels: Sequence[int]
+    ) -> dict[str, str]:
+        """By region name: the rung the cost model picks, under the guard's ceilings, were each
+        region's link `mbit[r]` Mbit/s with `rtt_ms[r]` round trips and everything else as
+        measured (Planner.rungs_for): to check the plan in force against a known link."""
+        est = self.estimates.copy()
+        est.bandwidth = [m * 1e6 / 8 for m in mbit]
+        est.rtt = [r / 1000 for r in rtt_ms]
+        rungs = self.planner.rungs_for(est, shard_numels, self.guard)
+        ladder = self.options.ladder
+        return {name: describe(ladder[r]) for name, r in zip(self.topo.regions, rungs, strict=True)}
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -242,6 +242,17 @@ class Planner:
             links, est.compute_s, shard_numels, opts, cpu, extra, est.allreduce_s, self.codecs
         )
 
+    def rungs_for(
+        self, est: Estimates, shard_numels: Sequence[int], guard: QualityGuard | None
+    ) -> list[int]:
+        """The rungs the cost model picks from the estimates `est` alone, under the guard's
+        ceilings: no hysteresis and no measured plans, only the model - what the decisions
+        would settle on were `est` the truth (to check a run's plan against the true link)."""
+        model = self._cost_model(est, {}, shard_numels, [0] * len(est.rtt))
+        depths = self._guarded(model.useful_depths(self.allowed_staleness), guard)
+        ceilings = None if guard is None else guard.ceilings
+        return plan_levels(model, depths=depths, ceilings=ceilings)[0]
+
     def _guard_step(
         self, now: Current, model: CostModel, interval: Interval, ran: tuple, depths: Sequence[int]
     ) -> tuple[QualityGuard | None, list[str]]:

@@ -4,6 +4,7 @@
     sudo cloudtrain bench --mbit 50 --rtt-ms 180        # slower and farther (us-asia)
     cloudtrain bench --scenario hetero|drop|unshaped    # the other measurements
     cloudtrain bench --steps 150 --json                 # machine-readable report on stdout
+    sudo cloudtrain bench --estimates                   # the link estimates against TCP flows
 
 Each method trains the same model on the same real data (scikit-learn's handwritten digits; an
 MLP wide enough that its gradients are worth compressing) for the same steps with the same seed:
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import hetero, quality
+from . import estimates, hetero, quality
 from .runner import UNSHAPED_MBIT, Run, run_method, worker
 
 METHODS = (
@@ -430,7 +431,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the quality matrix instead: auto and every preset against DDP on several workloads "
         "(cloudtrain.tools.quality)",
     )
+    parser.add_argument(
+        "--estimates",
+        action="store_true",
+        help="the link estimates instead: auto's estimate of each link against one TCP flow, on "
+        "a grid of rates and round trips (cloudtrain.tools.estimates)",
+    )
     quality.configure(parser)
+    estimates.configure(parser)
     hetero.configure(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)  # METHODS, or cloud-<any preset>
@@ -447,16 +455,19 @@ def run(args: argparse.Namespace) -> int:
         return worker(args)
     if args.warmup >= args.steps:
         raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
-    report = quality.drive(args) if args.quality else drive(args)
+    tool = quality if args.quality else estimates if args.estimates else None
+    report = tool.drive(args) if tool is not None else drive(args)
     if args.json:
         print(json.dumps(report))
-    elif args.scenario == "hetero-compute" and not args.quality:
+    elif tool is not None:
+        tool.print_table(report)
+    elif args.scenario == "hetero-compute":
         print(f"\ncloudtrain bench - scenario hetero-compute: {report['network']}")
         print(f"{report['model']}, global batch {report['global_batch']}, {report['steps']} steps")
         hetero.print_table(report)
         print(f"report: {report['json']}")
     else:
-        (quality.print_table if args.quality else print_table)(report)
+        print_table(report)
     return 0
 
 

@@ -140,6 +140,12 @@ def _result(args: argparse.Namespace, ddp: Any, trainer: Any, step_times, curve,
             result["outer_schedule"] = [sched.sync_every, [list(r) for r in sched.rungs]]
             result["staleness"] = [outer.outer.overlap]
         elif comm.controller is not None:
+            result["links"] = stats.controller["links"]
+            if args.true_link:  # the cost model's pick for the link as it is (estimates bench)
+                true = json.loads(args.true_link)
+                result["true_link_plan"] = comm.controller.plan_for_links(
+                    true["mbit"], true["rtt_ms"], comm.shard_numels()
+                )
             history = comm.controller.history
             result["plans"] = [(h["step"], h["levels"]) for h in history]
             result["decisions"] = [h["text"] for h in history]
@@ -173,6 +179,7 @@ def worker(args: argparse.Namespace) -> int:
     overrides = json.loads(args.overrides) if args.overrides else {}
     if "global_batch" in overrides and overrides["global_batch"] is None:  # the workload's own
         overrides["global_batch"] = trainer.per_rank * world
+    wrapped_at = time.time()
     ddp = _wrap(args.method, model, world, opt, overrides)
     step_times, curve, samples, loss, ends = _train(args, ddp, trainer, rank, world)
     if args.rank_report:  # every rank's own samples and seconds (the hetero-compute bench)
@@ -180,6 +187,7 @@ def worker(args: argparse.Namespace) -> int:
             json.dump({"samples": samples, "step_times": step_times, "ends": ends}, f)
     if rank == 0:
         result = _result(args, ddp, trainer, step_times, curve, loss)
+        result["ready_s"] = ends[0] - wrapped_at  # from the wrapper's construction: a step done
         print("RESULT " + json.dumps(result), flush=True)
     if args.method != "compute":
         import torch.distributed as dist
@@ -218,6 +226,12 @@ class Run:
     """CloudDDP's plan at the end: (codec, level) by region."""
     outer_schedule: list | None = None
     """The outer loop's [H, rungs by region]."""
+    links: dict | None = None
+    """The controller's link estimates at the end, by region (stats().controller["links"])."""
+    true_link_plan: dict | None = None
+    """With --true-link: the cost model's rung for each region's link as it is."""
+    ready_s: float | None = None
+    """Seconds from the wrapper's construction to the end of the first step."""
 
 
 def worker_argv(method: str, args: argparse.Namespace) -> list[str]:
@@ -231,6 +245,7 @@ def worker_argv(method: str, args: argparse.Namespace) -> list[str]:
         "--sample-ms", str(args.sample_ms), "--slowdown", str(args.slowdown),
         "--slow-region", args.slow_region,
         *(["--rank-report", args.rank_report] if args.rank_report else []),
+        *(["--true-link", args.true_link] if getattr(args, "true_link", None) else []),
     ]  # fmt: skip
 
 
@@ -317,4 +332,7 @@ def run_method(
         result.get("numel", 0),
         result.get("sends"),
         result.get("outer_schedule"),
+        result.get("links"),
+        result.get("true_link_plan"),
+        result.get("ready_s"),
     )

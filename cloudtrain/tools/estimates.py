@@ -1,0 +1,142 @@
+"""`cloudtrain bench --estimates`: does the controller's estimate of each link track the link?
+
+    sudo cloudtrain bench --estimates                          # 50/200/1000 Mbit/s x 0/80/180 ms
+    sudo cloudtrain bench --estimates --est-mbit 200 --est-rtt-ms 80 --steps 100
+
+For every rate and round trip of the grid, on the emulated network (2 regions x 2 ranks, both
+directions of each region's link at the rate): first one TCP flow each way between the regions
+(`Emulator.measure_mbit`, what a single connection carries there: the link as a transfer sees
+it), then per-step "auto" for --steps steps of the bench's MLP. The table gives, by region, the
+controller's estimate of the link at the end (`stats().controller["links"]`: one sender's share
+times the region's senders, its shard owners, which send at once) against that flow, its
+round trip against the one asked, the plan "auto" ended on against the rung the cost model picks
+for the link as it is (`Controller.plan_for_links`: the flow's rate, the asked round trip,
+everything else as measured), and the seconds from CloudDDP's construction to the end of its
+first step. A link is tracked when its estimate is within 25 % of the flow's rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .runner import run_method
+
+GRID_MBIT = (50.0, 200.0, 1000.0)
+GRID_RTT_MS = (0.0, 80.0, 180.0)
+TOLERANCE = 0.25
+"""An estimate within this share of one TCP flow's rate tracks the link."""
+FLOW_SECONDS = 3.0
+"""How long each TCP flow runs (long enough for slow start at 180 ms to be a small part)."""
+REGIONS = ("us", "eu")
+
+
+def _measure(args: argparse.Namespace, mbit: float, rtt_ms: float, progress: Any) -> list[dict]:
+    """One grid point: the flows, then "auto"; a row per region."""
+    from . import netem
+
+    rate = dict.fromkeys(REGIONS, mbit)
+    try:
+        wan = netem.Emulator(
+            {r: 2 for r in REGIONS}, rate, rtt_ms=rtt_ms, name=f"est{os.getpid()}", down_mbit=rate
+        ).up()
+    except netem.EmulatorError as e:  # e.g. a rate the delay line cannot carry on this machine
+        return [{"mbit": mbit, "rtt_ms": rtt_ms, "region": r, "error": str(e)} for r in REGIONS]
+    try:
+        # region us is ranks 0-1, eu 2-3: a region's estimate is of its packets to the other
+        flow = {
+            "us": wan.measure_mbit(0, 2, FLOW_SECONDS),
+            "eu": wan.measure_mbit(2, 0, FLOW_SECONDS),
+        }
+        run_args = argparse.Namespace(**vars(args))
+        run_args.workload, run_args.overrides = "bench-mlp", None
+        run_args.true_link = json.dumps(
+            {"mbit": [flow[r] for r in REGIONS], "rtt_ms": [rtt_ms] * len(REGIONS)}
+        )
+        run = run_method("cloud-auto", run_args, wan, ["us", "us", "eu", "eu"], progress)
+    finally:
+        wan.down()
+    plans = run.plans[-1][1] if run.plans else [None] * len(REGIONS)
+    rows = []
+    for i, region in enumerate(REGIONS):
+        link = (run.links or {}).get(region, {})
+        share = link.get("bandwidth_mbit")  # one shard owner's: the region's send at once
+        estimate = None if share is None else share * link["senders"]
+        rows.append({
+            "mbit": mbit, "rtt_ms": rtt_ms, "region": region, "flow_mbit": flow[region],
+            "estimate_mbit": estimate,
+            "ratio": None if estimate is None else estimate / flow[region],
+            "rtt_estimate_ms": link.get("rtt_ms"),
+            "plan": plans[i], "true_link_plan": (run.true_link_plan or {}).get(region),
+            "ready_s": run.ready_s, "step_ms": run.step_ms,
+        })  # fmt: skip
+        ratio, plan = rows[-1]["ratio"], rows[-1]["plan"]
+        rows[-1]["tracks"] = ratio is not None and abs(ratio - 1) <= TOLERANCE
+        # the rung (the zstd stage is the link's own choice, made from measured gains)
+        rows[-1]["same_rung"] = (
+            plan is not None and plan.removesuffix(" + zstd") == (rows[-1]["true_link_plan"])
+        )
+    return rows
+
+
+def drive(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from . import netem
+
+    ok, why = netem.available()
+    if not ok:
+        raise SystemExit(f"cloudtrain bench --estimates: needs the emulated network ({why})")
+    grid = [(m, r) for m in args.est_mbit for r in args.est_rtt_ms]
+    rows: list[dict[str, Any]] = []
+    with tqdm(total=len(grid) * args.steps, desc="estimates", unit="step", mininterval=2.0) as bar:
+        for mbit, rtt in grid:
+            bar.set_postfix_str(f"{mbit:g} Mbit/s, {rtt:g} ms")
+            rows += _measure(args, mbit, rtt, bar)
+    report = {"steps": args.steps, "tolerance": TOLERANCE, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench-estimates.json"
+    path.write_text(json.dumps(report, indent=1))
+    report["json"] = str(path)
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(
+        f'\ncloudtrain bench --estimates: per-step "auto", {report["steps"]} steps of the bench\'s '
+        "MLP, 2 regions x 2 ranks; estimates at the end against one TCP flow"
+    )
+    print(
+        f"  {'Mbit/s':>6} {'RTT':>4} {'region':6} {'TCP flow':>8} {'estimate':>8} {'ratio':>6} "
+        f"{'':6} {'RTT est':>7} {'ready s':>7}  plan (cost model on the true link)"
+    )
+    for r in report["rows"]:
+        if "error" in r:
+            print(f"  {r['mbit']:6g} {r['rtt_ms']:4g} {r['region']:6} not emulated: {r['error']}")
+            continue
+        est = "-" if r["estimate_mbit"] is None else f"{r['estimate_mbit']:8.1f}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:6.2f}"
+        rtt = "-" if r["rtt_estimate_ms"] is None else f"{r['rtt_estimate_ms']:7.1f}"
+        print(
+            f"  {r['mbit']:6g} {r['rtt_ms']:4g} {r['region']:6} {r['flow_mbit']:8.1f} {est:>8} "
+            f"{ratio:>6} {'ok' if r['tracks'] else 'MISS':6} {rtt:>7} {r['ready_s']:7.1f}  "
+            f"{r['plan']} ({'the same' if r['same_rung'] else r['true_link_plan']})"
+        )
+    print(f"\nreport: {report['json']}")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The --estimates options (the bench's --steps, --warmup, --out, --seed also apply)."""
+    parser.add_argument(
+        "--est-mbit", nargs="+", type=float, default=list(GRID_MBIT),
+        help="with --estimates: the link rates of the grid (default 50 200 1000)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--est-rtt-ms", nargs="+", type=float, default=list(GRID_RTT_MS),
+        help="with --estimates: the round trips of the grid (default 0 80 180)",
+    )  # fmt: skip
+    parser.add_argument("--true-link", help=argparse.SUPPRESS)  # JSON: the link as it is
