@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from . import estimates, hetero, quality
-from .runner import UNSHAPED_MBIT, Run, run_method, worker
+from .runner import UNSHAPED_MBIT, Run, run_method, save_report, worker
 
 METHODS = (
     "compute",
@@ -234,11 +234,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             row["predicted_step_ms"], row["predicted_wan_mb_per_step"] = _predict(
                 run, compute, baseline, links, wan, (args.steps, args.warmup)
             )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"bench-{args.scenario}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    report["json"] = str(stem.with_suffix(".json"))
+    stem = save_report(report, args.out, f"bench-{args.scenario}").with_suffix("")
     title = f"{args.scenario}: {netem_describe(links) if wan is not None else 'loopback'}"
     if _plot(runs, stem.with_suffix(".png"), title):
         report["plot"] = str(stem.with_suffix(".png"))
@@ -251,11 +247,7 @@ def _hetero_report(args: argparse.Namespace, report: dict[str, Any], network: st
                   global_batch=args.batch if mlp else "the workload's",
                   model=f"MLP 64-{args.hidden}-{args.hidden}-10 on digits" if mlp
                   else f"workload {args.workload}")  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench-{args.scenario}.json"
-    path.write_text(json.dumps(report, indent=1))
-    report["json"] = str(path)
+    save_report(report, args.out, f"bench-{args.scenario}")
     return report
 
 

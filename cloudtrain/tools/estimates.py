@@ -20,10 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 from typing import Any
 
-from .runner import run_method
+from .runner import run_method, save_report
 
 GRID_MBIT = (50.0, 200.0, 1000.0)
 GRID_RTT_MS = (0.0, 80.0, 180.0)
@@ -97,11 +96,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             bar.set_postfix_str(f"{mbit:g} Mbit/s, {rtt:g} ms")
             rows += _measure(args, mbit, rtt, bar)
     report = {"steps": args.steps, "tolerance": TOLERANCE, "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "bench-estimates.json"
-    path.write_text(json.dumps(report, indent=1))
-    report["json"] = str(path)
+    save_report(report, args.out, "bench-estimates")
     return report
 
 

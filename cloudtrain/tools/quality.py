@@ -25,10 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 from typing import Any
 
-from .runner import UNSHAPED_MBIT, Run, run_method
+from .runner import UNSHAPED_MBIT, Run, run_method, save_report
 
 PRESETS = (
     "fp16", "bf16", "quant8", "quant4", "sign", "topk-10pct", "topk-1pct", "topk-0.1pct",
@@ -138,11 +137,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             "metric": metrics[workload],
             "rows": table,
         }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "bench-quality.json"
-    path.write_text(json.dumps(report, indent=1))
-    report["json"] = str(path)
+    save_report(report, args.out, "bench-quality")
     return report
 
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 LOOPBACK = ("compute", "ddp-loopback")
@@ -247,6 +248,16 @@ def worker_argv(method: str, args: argparse.Namespace) -> list[str]:
         *(["--rank-report", args.rank_report] if args.rank_report else []),
         *(["--true-link", args.true_link] if getattr(args, "true_link", None) else []),
     ]  # fmt: skip
+
+
+def save_report(report: dict[str, Any], out: str, name: str) -> Path:
+    """Write a bench report as out/<name>.json (the folder made if need be) and note the path
+    in the report itself, under "json"."""
+    path = Path(out) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    report["json"] = str(path)
+    return path
 
 
 _RUNS = itertools.count()
