@@ -109,9 +109,8 @@ def test_hetero_throughput_counts_every_rank_over_the_window_all_share(tmp_path)
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(report))
     assert window_rate(read_reports(tmp_path, 4), 10) == pytest.approx((2 * 190 + 2 * 95) / 19)
     with pytest.raises(ValueError, match="no wall-clock window past every rank.s 20 warm-up"):
-        window_rate(
-            read_reports(tmp_path, 4), 20
-        )  # a warm-up ending (41 s) after the last step (40 s)
+        # a warm-up ending (41 s) after the last step (40 s)
+        window_rate(read_reports(tmp_path, 4), 20)
 
 
 def test_hetero_compute_shares_the_batch_by_measured_throughput(tmp_path):

@@ -64,20 +64,17 @@ def _measure(args: argparse.Namespace, mbit: float, rtt_ms: float, progress: Any
         link = (run.links or {}).get(region, {})
         share = link.get("bandwidth_mbit")  # one shard owner's: the region's send at once
         estimate = None if share is None else share * link["senders"]
+        ratio = None if estimate is None else estimate / flow[region]
+        plan, true_plan = plans[i], (run.true_link_plan or {}).get(region)
         rows.append({
             "mbit": mbit, "rtt_ms": rtt_ms, "region": region, "flow_mbit": flow[region],
-            "estimate_mbit": estimate,
-            "ratio": None if estimate is None else estimate / flow[region],
-            "rtt_estimate_ms": link.get("rtt_ms"),
-            "plan": plans[i], "true_link_plan": (run.true_link_plan or {}).get(region),
+            "estimate_mbit": estimate, "ratio": ratio,
+            "tracks": ratio is not None and abs(ratio - 1) <= TOLERANCE,
+            "rtt_estimate_ms": link.get("rtt_ms"), "plan": plan, "true_link_plan": true_plan,
+            # the rung (the zstd stage is the link's own choice, made from measured gains)
+            "same_rung": plan is not None and plan.removesuffix(" + zstd") == true_plan,
             "ready_s": run.ready_s, "step_ms": run.step_ms,
         })  # fmt: skip
-        ratio, plan = rows[-1]["ratio"], rows[-1]["plan"]
-        rows[-1]["tracks"] = ratio is not None and abs(ratio - 1) <= TOLERANCE
-        # the rung (the zstd stage is the link's own choice, made from measured gains)
-        rows[-1]["same_rung"] = (
-            plan is not None and plan.removesuffix(" + zstd") == (rows[-1]["true_link_plan"])
-        )
     return rows
 
 

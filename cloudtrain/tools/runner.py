@@ -246,7 +246,7 @@ def worker_argv(method: str, args: argparse.Namespace) -> list[str]:
         "--sample-ms", str(args.sample_ms), "--slowdown", str(args.slowdown),
         "--slow-region", args.slow_region,
         *(["--rank-report", args.rank_report] if args.rank_report else []),
-        *(["--true-link", args.true_link] if getattr(args, "true_link", None) else []),
+        *(["--true-link", args.true_link] if args.true_link else []),
     ]  # fmt: skip
 
 
