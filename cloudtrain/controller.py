@@ -28,7 +28,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -42,7 +42,7 @@ from .estimates import (
 from .guard import QualityGuard
 from .plan import Codecs, Plan, describe
 from .planner import FIRST_DECISION, Current, Decision, Planner
-from .probe import probe
+from .probe import MIN_TRANSFER_S, expand, probe, representative_pairs
 from .shares import SHARE_LEAD, BatchShares
 from .stats import Observations
 from .topology import Topology
@@ -79,8 +79,7 @@ class Controller:
         self.history: list[dict[str, Any]] = []
         self._writer = None
         self.reprobe = False  # the leaders measure the links at the next decision
-        self.probe_sent = 0  # bytes this rank sent re-probing (written by the gathering)
-        self._probe_counted = 0  # of those, handed over but not yet taken into CommStats
+        self.probe_sent = 0  # bytes this rank sent re-probing, not yet taken into CommStats
         self.planner = Planner(config, codecs, topo, self._calibrate(shard_numels, device))
         # decisions are gathered and made on a thread of their own (decide)
         self.own = topo.private(("control", "leaders"), config.timeout)
@@ -113,19 +112,27 @@ class Controller:
         return step >= self.next_due
 
     def decide(
-        self, step: int, seen: Observations, shard_numels: Sequence[int], wan_bytes_sent: int = 0
+        self,
+        step: int,
+        seen: Observations,
+        shard_numels: Sequence[int],
+        wan_bytes_sent: int = 0,
+        quiet: Callable[[], None] | None = None,
     ) -> Plan:
         """All ranks call at a due step, with what each saw since the last one. The decision
         started at the previous due step takes effect now (waited for, if it is still on its
         way), and the next one starts from `seen`: gathered, decided on rank 0 and broadcast on
         a background thread, on process groups of the controller's own, so its round trips
-        across regions never hold a step up. Every rank returns the same plan."""
+        across regions never hold a step up. Every rank returns the same plan.
+
+        When the decision asked for a re-probe, the region leaders measure the links first, on
+        this thread: `quiet` (all ranks call it) finishes the exchanges in flight, and the
+        region's other ranks wait for their leader at the step's first reduction, so the probe
+        is the one flow on the link - it measures the link, not what training leaves of it."""
         ran = (list(self.rungs), self.staleness)  # the plan `seen` was measured under
         if self._pending is not None:
             decision, self._pending = self._pending.result(), None  # a failure raises here
             self._apply(step, decision)
-        # no gathering runs now: what its re-probe sent can be handed over (take_probe_sent)
-        self._probe_counted, self.probe_sent = self._probe_counted + self.probe_sent, 0
         mine: dict[str, Any] = {
             "compute": list(seen.compute_s),
             "steps": list(seen.step_s),
@@ -136,6 +143,12 @@ class Controller:
         }
         if seen.quality is not None and seen.quality.steps:
             mine["quality"] = dataclasses.astuple(seen.quality)
+        if self.reprobe:
+            if quiet is not None:
+                quiet()
+            probed = self._reprobe()
+            if self.topo.rank == 0:
+                mine["probed"] = probed
         self._pending = self._pool.submit(self._gather, step, mine, list(shard_numels), ran)
         self.next_due = step + self.interval
         self._write_metrics(step, wan_bytes_sent)
@@ -146,15 +159,6 @@ class Controller:
     ) -> Decision:
         """On the controller's thread: everyone's observations to rank 0, its decision back."""
         t0 = time.perf_counter()
-        if self.reprobe and self.topo.local_index == 0:
-            # no packets crossed regions to time for a while (or too small ones): the region
-            # leaders measure the links instead, briefly, from 256 KiB (smaller messages ride
-            # tbf-like token buckets at line rate)
-            measured = probe(
-                self.own.group("leaders"), max_seconds=0.05, repeats=1, start_bytes=BURST_BYTES
-            )
-            mine["leader_links"] = measured.beta
-            self.probe_sent += measured.sent  # taken by the hook between steps (take_probe_sent)
         gathered: list[Any] = [None] * self.topo.world_size
         dist.all_gather_object(gathered, mine, group=self.own.group("control"))
         decision: list[Any] = [None]
@@ -167,6 +171,31 @@ class Controller:
             decision[0] = self.planner.decide(step, now, gathered, ran, took)
         dist.broadcast_object_list(decision, src=0, group=self.own.group("control"))
         return decision[0]
+
+    def _reprobe(self) -> list[list[float]]:
+        """A brief measurement of the links between regions (all ranks call; no gathering in
+        flight), each way between every two regions at once as at start-up: bandwidth by
+        region. It starts at the size that shows the slowest link as estimated (never under
+        256 KiB: smaller messages ride tbf-like token buckets at line rate), and every rank
+        waits for it, so none sends across regions while it runs."""
+        topo, est, t0 = self.topo, self.estimates, time.perf_counter()
+        region = {rank: r for r, ranks in enumerate(topo.members) for rank in ranks}
+        pairs = [(i, j) for i, j in representative_pairs(topo.members) if region[i] != region[j]]
+        shows = est.slowest * topo.shards * max(MIN_TRANSFER_S, 2 * max(est.rtt))
+        measured = probe(
+            self.own.group("control"), start_bytes=int(min(max(shows, BURST_BYTES), 1 << 24)),
+            repeats=2, pairs=pairs, region=[region[rank] for rank in range(topo.world_size)],
+        )  # fmt: skip
+        self.probe_sent += measured.sent  # taken by the hook between steps (take_probe_sent)
+        links = expand(measured, topo.members)
+        leaders = [m[0] for m in topo.members]
+        if topo.rank == 0:
+            seen = ", ".join(
+                f"{topo.regions[a]}->{topo.regions[b]} {links.mbit(la, lb):.1f} Mbit/s"
+                for a, la in enumerate(leaders) for b, lb in enumerate(leaders) if a != b
+            )  # fmt: skip
+            log.warning("cloudtrain: links re-probed in %.1f s: %s", time.perf_counter() - t0, seen)
+        return [[links.beta[la][lb] for lb in leaders] for la in leaders]
 
     def _apply(self, step: int, decision: Decision) -> None:
         changed = (
@@ -206,7 +235,7 @@ class Controller:
 
     def take_probe_sent(self) -> int:
         """Bytes this rank sent re-probing the links since the last call (for CommStats)."""
-        sent, self._probe_counted = self._probe_counted, 0
+        sent, self.probe_sent = self.probe_sent, 0
         return sent
 
     def settle(self) -> None:
@@ -273,6 +302,8 @@ class Controller:
                 for name, r, z in zip(names, self.rungs, self.zstd, strict=True)
             },
             "staleness": self.staleness,
+            # decisions since the links were last probed, and between re-probes now
+            "probed": {"decisions_ago": est.since_probe, "every": est.probe_every},
             "guard": None if self.guard is None else self.guard.snapshot(names, ladder),
             "throughput": {
                 "by_rank": list(est.throughput),

@@ -7,11 +7,16 @@ out, zstd gains, and the measured step time of every plan run lately.
     estimates.observe(interval, ...)            # rank 0, at a decision
     links = estimates.links()                   # -> [LinkEstimate] for the cost model
 
-Bandwidth starts from the active probe (cloudtrain.probe, read by `region_links`) and follows the
-real transfers: each shard owner times every packet it receives; a drop counts at once, a rise is
-smoothed (EWMA), packets too small to show bandwidth are ignored, and links left unmeasured for a
-while are re-probed briefly by the region leaders. Rank 0 updates the estimates at each decision,
-and every rank gets them with the decision, so all ranks hold the same.
+Bandwidth starts from the active probe (cloudtrain.probe, read by `region_links`) and is set again
+only by the region leaders' brief re-probes, made while nothing else crosses regions (the
+controller waits for the exchanges in flight): a re-probe that agrees with the estimate doubles
+the wait for the next one (from PROBE_EVERY decisions up to MAX_PROBE_EVERY), one that moves it
+starts again from STALE_DECISIONS. Between re-probes each shard owner times every packet it receives: packets
+never lower an estimate (their time is their sender's lateness as much as the link's), and raise
+it only when one owner's packets alone came faster than the whole link was thought to carry;
+packets that arrive much slower than they did after the last re-probe ask for the next one early.
+Rank 0 updates the estimates at each decision, and every rank gets them with the decision, so
+all ranks hold the same.
 """
 
 from __future__ import annotations
@@ -35,12 +40,24 @@ BURST_BYTES = 1 << 18
 they can show a link slower than thought, never one faster."""
 
 STALE_DECISIONS = 12
-"""Decisions without a usable measurement of a link before its leaders re-probe it; also the
-fewest decisions between two re-probes that packets arriving slowly asked for."""
+"""Decisions from a re-probe that moved an estimate to the next; also the fewest between two
+re-probes that packets arriving slowly asked for."""
+
+PROBE_EVERY = 4 * STALE_DECISIONS
+"""Decisions from the start-up probe to the first re-probe. A re-probe holds every rank up for
+a few round trips and its transfers (0.5-1 s at 0-80 ms, up to 7 s at 180 ms on the emulated
+50 Mbit/s link), so links that agree are re-probed rarely."""
+
+MAX_PROBE_EVERY = 8 * STALE_DECISIONS
+"""The longest wait between re-probes, reached after one that agreed with the estimates."""
+
+AGREES = 0.25
+"""A re-probe within this share of a link's estimate agrees with it."""
 
 SUSPECT = 0.7
-"""Packets arriving at under this share of a link's estimate ask for a re-probe: they lower
-nothing themselves (a late sender, or the round trip, makes a fast link look slow)."""
+"""Packets arriving at under this share of the rate they arrived at after the last re-probe ask
+for the next one early: they lower nothing themselves (a late sender, or the round trip, makes
+a fast link look slow)."""
 
 
 def smoothed(new: float, old: float | None, weight: float) -> float:
@@ -133,18 +150,6 @@ def passive_bandwidth(
     return measured
 
 
-def _by_region(
-    matrix: list[list[float]] | None, members: Sequence[Sequence[int]]
-) -> list[list[float]] | None:
-    """The leaders' probe matrix (indexed by rank in the leaders' group, which is by global
-    rank) in region order."""
-    if matrix is None:
-        return None
-    leaders = [m[0] for m in members]
-    at = [sorted(leaders).index(leader) for leader in leaders]  # region -> group rank
-    return [[matrix[at[r]][at[q]] for q in range(len(at))] for r in range(len(at))]
-
-
 def _median(values: Sequence[float]) -> float | None:
     ordered = sorted(values)
     return ordered[len(ordered) // 2] if ordered else None
@@ -174,7 +179,7 @@ class Interval:
     quality: list[QualitySums]
     """By region: its owners' quality probes (cloudtrain.guard)."""
     probed: list[list[float]] | None = None
-    """The leaders' re-probe, where they ran one: bandwidth from region to region."""
+    """The re-probe, where one ran: bandwidth from region to region (rank 0's)."""
     throughput: list[float | None] | None = None
     """By rank: samples per second of its compute over the interval (None: none timed)."""
 
@@ -197,8 +202,7 @@ class Interval:
             dict(gathered[0].get("stage_seconds", {})),
             [[t for rank in ranks for t in gathered[rank].get("zstd", [])] for ranks in members],
             quality,
-            _by_region(next((g["leader_links"] for g in gathered if "leader_links" in g), None),
-                       members),
+            gathered[0].get("probed"),
             [_throughput(g.get("samples", []), g["compute"]) for g in gathered],
         )  # fmt: skip
 
@@ -220,10 +224,13 @@ class Estimates:
     """The slowest link's bandwidth when `allreduce_s` was measured."""
     unmodelled_s: float | None = None
     """Compressed steps' time beyond the model (thread hand-offs, per-bucket latency)."""
-    unmeasured: list[int] = field(default_factory=list)
-    """By region: decisions since its link was last measured."""
-    since_probe: int = STALE_DECISIONS
-    """Decisions since the leaders last re-probed the links."""
+    since_probe: int = 0
+    """Decisions since the links were last probed."""
+    probe_every: int = PROBE_EVERY
+    """Decisions from one re-probe to the next (module docstring)."""
+    packet_rate: list[float | None] = field(default_factory=list)
+    """By region: the rate its packets arrived at in the first interval after the last probe
+    that timed them (what a drop is judged against: the packets' lateness is in it too)."""
     zstd_gains: dict[tuple[int, int], ZstdGain] = field(default_factory=dict)
     """(region, rung) -> the smoothed gain of the zstd stage there."""
     measured_steps: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
@@ -233,7 +240,7 @@ class Estimates:
 
     @classmethod
     def start(cls, regions: int) -> Estimates:
-        return cls([None] * regions, [0.0] * regions, unmeasured=[0] * regions)
+        return cls([None] * regions, [0.0] * regions, packet_rate=[None] * regions)
 
     def links(self) -> list[LinkEstimate]:
         """The links for the cost model (an unknown bandwidth: as fast as a link can be)."""
@@ -248,37 +255,47 @@ class Estimates:
 
     def observe_links(self, interval: Interval, warm: bool, shards: int, ewma: float) -> bool:
         """The interval's re-probe and packet arrivals into the bandwidth estimates; returns
-        whether the leaders should re-probe the links.
+        whether the leaders should re-probe the links at the next decision.
 
-        Only a probe - traffic of a size that shows bandwidth - sets an estimate, and lowers it.
-        Packets only raise it (smoothed, from packets large enough: passive_bandwidth): a
-        packet's time is its transfer plus its sender's lateness and the round trip, so packets
-        that arrive slowly ask for a re-probe (SUSPECT) instead of lowering the estimate, which
-        would ask for more compression, smaller packets and a slower-looking link still. Links
-        left unmeasured for STALE_DECISIONS decisions are re-probed too."""
+        Only a probe - one flow of a size that shows bandwidth, with nothing else on the link -
+        sets an estimate, and lowers it. A packet's time is its transfer plus its sender's
+        lateness and the round trip, so packets never lower an estimate, which would ask for
+        more compression, smaller packets and a slower-looking link still. They raise it only
+        when one shard owner's packets came faster than the whole link was thought to carry (a
+        region's owners share the link: `shards` of them send at once)."""
         self.since_probe += 1
         if interval.probed is not None:
-            probed, self.since_probe = interval.probed, 0
-            for r in range(len(self.bandwidth)):
-                slowest = min(probed[r][q] for q in range(len(probed)) if q != r)
-                self.bandwidth[r] = min(max(slowest / shards, MIN_BANDWIDTH), MAX_BANDWIDTH)
+            self._reprobed(interval.probed, shards)
         suspect = False
         for region in range(len(self.bandwidth)):
             samples = interval.arrivals[region] if warm else []
             old = self.bandwidth[region]
             measured = passive_bandwidth(samples, self.rtt[region], old)
             if measured is None:
-                self.unmeasured[region] += 1
-            elif old is not None and measured < SUSPECT * old:
+                continue
+            if old is None:
+                self.bandwidth[region] = measured
+            elif measured > shards * old:
+                self.bandwidth[region] = smoothed(measured / shards, old, ewma)
+            baseline = self.packet_rate[region]
+            if baseline is None:
+                self.packet_rate[region] = measured
+            elif measured < SUSPECT * baseline:
                 suspect = True
-            else:
-                self.unmeasured[region] = 0
-                rise = old is not None and measured > old
-                self.bandwidth[region] = smoothed(measured, old if rise else None, ewma)
-        if interval.probed is not None:
-            self.unmeasured = [0] * len(self.bandwidth)
-        stale = max(self.unmeasured) >= STALE_DECISIONS
-        return (stale or suspect) and self.since_probe >= STALE_DECISIONS
+        early = suspect and self.since_probe >= STALE_DECISIONS
+        return early or self.since_probe >= self.probe_every
+
+    def _reprobed(self, probed: list[list[float]], shards: int) -> None:
+        """The leaders' re-probe (bandwidth from region to region, by region) sets every
+        estimate; the next re-probe comes twice as late if it agreed with all of them."""
+        agreed = True
+        for r in range(len(self.bandwidth)):
+            slowest = min(probed[r][q] for q in range(len(probed)) if q != r)
+            new, old = min(max(slowest / shards, MIN_BANDWIDTH), MAX_BANDWIDTH), self.bandwidth[r]
+            agreed = agreed and old is not None and abs(new / old - 1) <= AGREES
+            self.bandwidth[r] = new
+        self.since_probe, self.packet_rate = 0, [None] * len(self.bandwidth)
+        self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY) if agreed else STALE_DECISIONS
 
     def observe_stages(self, stages: dict[str, float], ewma: float) -> None:
         """What the dense parts cost per step (rank 0's view), where the interval ran them. The
@@ -351,8 +368,9 @@ class Estimates:
             "allreduce_s": self.allreduce_s,
             "allreduce_bw": self.allreduce_bw,
             "unmodelled_s": self.unmodelled_s,
-            "unmeasured": list(self.unmeasured),
             "since_probe": self.since_probe,
+            "probe_every": self.probe_every,
+            "packet_rate": list(self.packet_rate),
             "zstd_gains": [
                 [r, rung, *dataclasses.astuple(g)] for (r, rung), g in self.zstd_gains.items()
             ],
@@ -374,8 +392,9 @@ class Estimates:
             state["allreduce_s"],
             state["allreduce_bw"],
             state["unmodelled_s"],
-            list(state.get("unmeasured", [0] * regions)),
-            int(state.get("since_probe", STALE_DECISIONS)),
+            int(state.get("since_probe", 0)),
+            int(state.get("probe_every", PROBE_EVERY)),
+            list(state.get("packet_rate", [None] * regions)),
             {
                 (int(r), int(rung)): ZstdGain(ratio, encode, decode)
                 for r, rung, ratio, encode, decode in state.get("zstd_gains", [])

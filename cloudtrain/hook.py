@@ -472,7 +472,10 @@ class CommState:
         if every and self.step and self.step % every == 0:
             self.verify_replicas()
         if self.controller is not None and self.controller.due(self.step):
-            self.plan = next_plan(self.controller, self.path, self.step, self.shard_numels())
+            self.plan = next_plan(
+                self.controller, self.path, self.step, self.shard_numels(),
+                lambda: self.pipeline.finish_all(self.path.finish),
+            )  # fmt: skip
             if self.plan.lossless:  # compression stops: what it kept back goes into the gradients
                 self.layouts.release_residuals(self.ef)
 
@@ -533,13 +536,20 @@ class CommState:
             self.shares.load_state_dict(state["shares"])
 
 
-def next_plan(controller: Any, path: CrossRegion, step: int, shard_numels: Sequence[int]) -> Plan:
+def next_plan(
+    controller: Any,
+    path: CrossRegion,
+    step: int,
+    shard_numels: Sequence[int],
+    quiet: Callable[[], None],
+) -> Plan:
     """At a step the controller is due (all ranks): what the data path saw since the last
-    decision goes to the controller, its plan comes back, and what a re-probe sent is counted."""
+    decision goes to the controller, its plan comes back, and what a re-probe sent is counted.
+    `quiet` finishes the exchanges in flight (for a re-probe: nothing else may cross then)."""
     seen = path.observer.take(path.stats)
     if path.probe is not None:
         seen.quality = path.probe.take()
-    plan = controller.decide(step, seen, shard_numels, path.stats.wan_bytes_sent)
+    plan = controller.decide(step, seen, shard_numels, path.stats.wan_bytes_sent, quiet)
     path.stats.wan_bytes_sent += controller.take_probe_sent()  # a re-probe's
     return plan
 

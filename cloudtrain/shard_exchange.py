@@ -95,7 +95,10 @@ class UnitExchange:
         if every and self.step and self.step % every == 0:
             self.verify_replicas()
         if self.controller is not None and self.controller.due(self.step):
-            self.plan = next_plan(self.controller, self.path, self.step, self.shard_numels())
+            self.plan = next_plan(
+                self.controller, self.path, self.step, self.shard_numels(),
+                lambda: self.pipeline.finish_all(self.path.collect),
+            )  # fmt: skip
 
     def _end_backward(self) -> None:
         """Queued on the autograd engine at the first reduction of a backward: hand over what is

@@ -140,7 +140,8 @@ def test_estimates_bench_reports_each_link_against_one_tcp_flow(tmp_path):
     "auto"; each region's row holds the flow's rate, the controller's estimate of the link (its
     senders' shares) and their ratio, its round trip near the one asked, the plan and the cost
     model's pick for the true link. (Whether estimates track the link is the bench's figure,
-    docs/measurements.md: at this point they were 0.66x of the flow.)"""
+    docs/measurements.md: at this point 0.97-1.05x of the flow; tests/test_reprobe.py holds the
+    re-probe to the link.)"""
     if not netem.available()[0]:
         skip_or_fail("netem", f"no WAN emulator: {netem.available()[1]}")
     cmd = [

@@ -1,13 +1,20 @@
 """The controller's estimates (cloudtrain.estimates) in process: a link's estimate does not feed on
 the rung being sent - packets that arrive slowly (a late sender, a round trip that dominates a
-small packet) never lower it but ask for a re-probe, which alone sets it; the leaders' matrix is
-read in region order; the estimates round-trip through their state."""
+small packet) never lower it; a re-probe alone sets it, and comes later while re-probes agree;
+the estimates round-trip through their state."""
 
 from __future__ import annotations
 
 import pytest
 
-from cloudtrain.estimates import STALE_DECISIONS, Estimates, Interval, region_links
+from cloudtrain.estimates import (
+    MAX_PROBE_EVERY,
+    PROBE_EVERY,
+    STALE_DECISIONS,
+    Estimates,
+    Interval,
+    region_links,
+)
 from cloudtrain.guard import QualitySums
 from cloudtrain.probe import LinkMatrix
 
@@ -25,44 +32,65 @@ def started() -> Estimates:
     return est
 
 
-def test_slow_packets_ask_for_a_probe_and_lower_nothing():
+def test_slow_packets_lower_nothing_and_ask_for_a_probe_only_when_they_slowed():
     est = started()
-    # 4 MB packets that took 1 s beyond the round trip: 32 Mbit/s, a third of the estimate
+    # 4 MB packets that took 1 s beyond the round trip: 32 Mbit/s, a third of the estimate -
+    # the rate these packets arrive at (their senders' lateness in it): nothing is lowered
     slow = [(4_000_000, 1.08)] * 3
-    assert est.observe_links(interval((slow, slow)), True, 1, 0.5) is True
-    assert est.bandwidth == [100 * MBIT, 100 * MBIT]
-    est.since_probe = 0  # just probed: slow packets wait for the next probe
     assert est.observe_links(interval((slow, slow)), True, 1, 0.5) is False
+    assert est.bandwidth == [100 * MBIT, 100 * MBIT]
+    assert est.packet_rate == [pytest.approx(32 * MBIT)] * 2
+    # half that rate later is a drop, but a probe is asked for only STALE_DECISIONS after the last
+    slower = [(4_000_000, 2.08)] * 3
+    for decision in range(2, STALE_DECISIONS):
+        assert est.observe_links(interval((slower, slower)), True, 1, 0.5) is False, decision
+    assert est.observe_links(interval((slower, slower)), True, 1, 0.5) is True
+    assert est.bandwidth == [100 * MBIT, 100 * MBIT]
 
 
-def test_only_a_probe_lowers_an_estimate_and_packets_raise_it():
+def test_only_a_probe_lowers_an_estimate_and_one_owners_packets_beyond_the_link_raise_it():
     est = started()
     probed = [[0.0, 40 * MBIT], [60 * MBIT, 0.0]]  # region 0 -> 1 at 40, 1 -> 0 at 60
     est.observe_links(interval(probed=probed), True, 2, 0.5)  # two shard owners share a link
     assert est.bandwidth == [pytest.approx(20 * MBIT), pytest.approx(30 * MBIT)]
-    assert est.since_probe == 0 and est.unmeasured == [0, 0]
-    fast = [(4_000_000, 0.08 + 4_000_000 / (40 * MBIT))] * 2  # 40 Mbit/s per owner: a rise
+    assert est.since_probe == 0
+    # 40 Mbit/s per owner: what the link carries when the owners take turns - no rise
+    turns = [(4_000_000, 0.08 + 4_000_000 / (40 * MBIT))] * 2
+    est.observe_links(interval((turns, ())), True, 2, 0.5)
+    assert est.bandwidth[0] == pytest.approx(20 * MBIT)
+    # 60 Mbit/s from one owner alone: the link carries more than the 40 it was probed at
+    fast = [(4_000_000, 0.08 + 4_000_000 / (60 * MBIT))] * 2
     est.observe_links(interval((fast, ())), True, 2, 0.5)
-    assert est.bandwidth[0] == pytest.approx(0.5 * 40 * MBIT + 0.5 * 20 * MBIT)
+    assert est.bandwidth[0] == pytest.approx(0.5 * 30 * MBIT + 0.5 * 20 * MBIT)
 
 
-def test_a_link_left_unmeasured_is_reprobed():
+def test_reprobes_come_later_while_they_agree_and_sooner_once_one_does_not():
     est = started()
-    for decision in range(STALE_DECISIONS - 1):
-        assert est.observe_links(interval(), True, 1, 0.5) is False, decision
-    assert est.observe_links(interval(), True, 1, 0.5) is True
+
+    def wait() -> int:  # decisions until the next re-probe is asked for
+        decisions = 1
+        while not est.observe_links(interval(), True, 1, 0.5):
+            decisions += 1
+        return decisions
+
+    moved = [[0.0, 50 * MBIT], [95 * MBIT, 0.0]]  # region 0's link halved
+    agreeing = [[0.0, 55 * MBIT], [90 * MBIT, 0.0]]  # within 25 % of the estimates since
+    waits = [wait()]
+    for probed in (moved, agreeing, agreeing, agreeing, agreeing):
+        est.observe_links(interval(probed=probed), True, 1, 0.5)
+        waits.append(wait())
+    assert waits == [PROBE_EVERY, STALE_DECISIONS, 2 * STALE_DECISIONS, 4 * STALE_DECISIONS,
+                     MAX_PROBE_EVERY, MAX_PROBE_EVERY]  # fmt: skip
+    assert est.bandwidth == [pytest.approx(55 * MBIT), pytest.approx(90 * MBIT)]
 
 
-def test_the_leaders_probe_is_read_in_region_order():
-    # leaders are ranks 2 (region 0) and 0 (region 1): the group's rank order is the reverse
+def test_the_probe_is_read_from_rank_0():
     gathered = [
-        {"compute": [], "received": {}, "leader_links": [[0.0, 7.0], [3.0, 0.0]]},
-        {"compute": [], "received": {}},
-        {"compute": [], "received": {}},
+        {"compute": [], "received": {}, "probed": [[0.0, 3.0], [7.0, 0.0]]},
         {"compute": [], "received": {}},
     ]
-    seen = Interval.of(gathered, [[2, 3], [0, 1]])
-    assert seen.probed == [[0.0, 3.0], [7.0, 0.0]]
+    assert Interval.of(gathered, [[0], [1]]).probed == [[0.0, 3.0], [7.0, 0.0]]
+    assert Interval.of(gathered[1:] * 2, [[0], [1]]).probed is None
 
 
 def test_region_links_take_the_slowest_pair_and_share_it_among_the_owners():

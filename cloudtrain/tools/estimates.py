@@ -29,7 +29,9 @@ GRID_RTT_MS = (0.0, 80.0, 180.0)
 TOLERANCE = 0.25
 """An estimate within this share of one TCP flow's rate tracks the link."""
 FLOW_SECONDS = 3.0
-"""How long each TCP flow runs (long enough for slow start at 180 ms to be a small part)."""
+FLOW_RTTS = 30
+"""Each TCP flow runs FLOW_SECONDS and FLOW_RTTS round trips: slow start takes 6-8 round trips
+to fill these links, and must be a small part of what the flow is said to carry."""
 REGIONS = ("us", "eu")
 
 
@@ -46,10 +48,8 @@ def _measure(args: argparse.Namespace, mbit: float, rtt_ms: float, progress: Any
         return [{"mbit": mbit, "rtt_ms": rtt_ms, "region": r, "error": str(e)} for r in REGIONS]
     try:
         # region us is ranks 0-1, eu 2-3: a region's estimate is of its packets to the other
-        flow = {
-            "us": wan.measure_mbit(0, 2, FLOW_SECONDS),
-            "eu": wan.measure_mbit(2, 0, FLOW_SECONDS),
-        }
+        seconds = FLOW_SECONDS + FLOW_RTTS * rtt_ms / 1000
+        flow = {"us": wan.measure_mbit(0, 2, seconds), "eu": wan.measure_mbit(2, 0, seconds)}
         run_args = argparse.Namespace(**vars(args))
         run_args.workload, run_args.overrides = "bench-mlp", None
         run_args.true_link = json.dumps(
