@@ -82,7 +82,7 @@ class Controller:
         self.probe_sent = 0  # bytes this rank sent re-probing, not yet taken into CommStats
         self.planner = Planner(config, codecs, topo, self._calibrate(shard_numels, device))
         # decisions are gathered and made on a thread of their own (decide)
-        self.own = topo.private(("control", "leaders"), config.timeout)
+        self.own = topo.private(("control",), config.timeout)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cloudtrain-plan")
         self._pending: concurrent.futures.Future | None = None
         self.next_due, self.interval = FIRST_DECISION, self.options.interval

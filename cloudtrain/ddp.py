@@ -134,8 +134,12 @@ class CloudDDP(DistributedDataParallel):
             raise ValueError("CloudDDP makes its own process groups; do not pass process_group")
         _check_dense(module)
         check_agreement(module, config)
-        super().__init__(module, **ddp_kwargs)
         topo = Topology.discover(config, config.timeout)
+        init_sync = ddp_kwargs.pop("init_sync", True)
+        # across regions rank 0's parameters and buffers cross each link once, not once a rank
+        super().__init__(module, init_sync=init_sync and topo.single_region, **ddp_kwargs)
+        if init_sync and not topo.single_region:
+            self._sync_across_regions(topo, ddp_kwargs)
         by_time = config.outer is not None and config.outer.work == "time"
         if by_time and not topo.single_region:
             # regions step apart: DDP's own collectives (its bucket rebuild at the second
@@ -189,6 +193,18 @@ class CloudDDP(DistributedDataParallel):
                 "compression; set CLOUDTRAIN_REGION per host (or regions='per-rank') to compress"
             )
         log.info("cloudtrain: %s; config %s", topo.describe(), config.codec)
+
+    @torch.no_grad()
+    def _sync_across_regions(self, topo: Topology, ddp_kwargs: dict[str, Any]) -> None:
+        """DDP's start-up sync (init_sync) in cloudtrain's groups: rank 0's parameters, and its
+        buffers unless the deprecated broadcast_buffers=False left them out, on every rank (the
+        model's shapes were compared by check_agreement)."""
+        ignore = self.parameters_to_ignore
+        states = [t for name, t in self.module.named_parameters() if name not in ignore]
+        legacy = ddp_kwargs.get("broadcast_buffers")
+        if ddp_kwargs.get("forward_sync_buffers") is not None or legacy is None or legacy:
+            states += [t for name, t in self.module.named_buffers() if name not in ignore]
+        topo.broadcast_from_rank0([t.detach() for t in states])
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.training and torch.is_grad_enabled():

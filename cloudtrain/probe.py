@@ -1,9 +1,10 @@
 """Bandwidth prober: measure every link between ranks, and find regions from the measurements.
 
-Each ordered pair (i -> j), one pair at a time so no two probes share a bottleneck: after an
-untimed warm-up, i sends one-byte pings, then messages of growing size (64 KiB, doubling) until
-one's transfer - its time less the fastest ping - takes at least `max_seconds` and twice the
-round trip, or the size reaches `max_bytes`; j answers each with a one-byte ack, i times them.
+Each ordered pair (i -> j), one pair at a time so no two probes share a bottleneck: i sends
+one-byte pings, a warm-up transfer, then messages of growing size (from what the warm-up
+showed, at least 64 KiB, doubling) until one's transfer - its time less the fastest ping - takes
+at least `max_seconds` and twice the round trip, or the size reaches `max_bytes`; j answers each
+with a one-byte ack, i times them.
 (Sizes that only show the round trip cannot show bandwidth: across 80 ms, a few hundred KB take
 the round trip and a jitter's worth more, whatever the link's rate.) The times are fitted to
 latency + bytes / bandwidth (least squares), giving alpha (seconds, about one round trip) and beta
@@ -127,26 +128,25 @@ def _measure(
     Gloo sends a message only once the receiver has posted its receive (the receiver announces
     it over the wire), so the size goes ahead untimed and dst answers "ready" once its receive
     is posted: the timed part is then payload out and ack back, one round trip plus the
-    transfer. An untimed warm-up transfer first takes TCP out of slow start; one-byte pings time
-    the round trip. Sizes grow until the transfer, not the round trip, dominates: at least
-    max_seconds and twice the round trip."""
+    transfer. One-byte pings time the round trip; a warm-up transfer then takes TCP out of slow
+    start, and its rate sizes the first timed message (at least `start` bytes). Sizes double
+    until the transfer, not the round trip, dominates: at least max_seconds and twice the round
+    trip."""
     me = dist.get_rank()
     header = torch.zeros(1, dtype=torch.int64)
     ack = torch.zeros(1, dtype=torch.uint8)
     samples: list[tuple[int, float]] = []
-    size = start
     if me == src:
         payload = torch.zeros(max_bytes, dtype=torch.uint8)
-        # Untimed first: a connection that has carried little is still in TCP slow start, and
-        # across a long round trip that would make every small message look slower.
-        header[0] = min(WARMUP_BYTES, max_bytes)
-        dist.send(header, dst, group=group)
-        dist.recv(ack, dst, group=group)
-        dist.send(payload[: int(header[0])], dst, group=group)
-        dist.recv(ack, dst, group=group)
         for _ in range(max(repeats, 2)):  # the round trip alone: one-byte pings
             samples.append(_timed(1, payload, header, ack, dst, group))
         rtt = min(t for _, t in samples)
+        # A connection that has carried little is still in TCP slow start, and across a long
+        # round trip that would make every small message look slower: a warm-up transfer first,
+        # not a sample, whose rate (a floor: slow start is in it) sizes the first timed message
+        warm, took = _timed(min(WARMUP_BYTES, max_bytes), payload, header, ack, dst, group)
+        shows = warm / max(took - rtt, 1e-9) * max(max_seconds, 2 * rtt)
+        size = int(min(max(start, shows), max_bytes))
         while True:
             samples.append(_timed(size, payload, header, ack, dst, group))
             transfer = samples[-1][1] - rtt

@@ -16,7 +16,6 @@ Groups (every rank creates every group, in the same order, as torch.distributed 
 - `control`: all ranks, gloo - the probe, plans, replica checks;
 - `dense`: all ranks, the job's backend - the single-region all-reduce;
 - `region[r]`: the ranks of region r, the job's backend - dense reduce-scatter / all-gather;
-- `leaders`: the first rank of every region, gloo - re-probing the links between regions;
 - `cross[j]`: the owners of shard j, one per region, gloo - compressed packets (CPU bytes).
 """
 
@@ -36,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .bootstrap import control_group
+from .buffers import BROADCAST_BUCKET_BYTES
 from .config import CompressionConfig
 from .probe import LinkMatrix, cluster_regions, expand, probe, representative_pairs
 
@@ -190,14 +190,13 @@ class Topology:
 
     def group_ranks(self) -> dict[str, list[int]]:
         """The ranks of each process group CloudDDP uses, by name, in the order they are made:
-        "dense" (all), and with several regions "region<i>" (a region's ranks), "leaders" (each
-        region's first rank) and "cross<s>" (shard s's owner in every region)."""
+        "dense" (all), and with several regions "region<i>" (a region's ranks) and "cross<s>"
+        (shard s's owner in every region)."""
         out = {"dense": list(range(self.world_size))}
         if self.single_region:
             return out
         for index, ranks in enumerate(self.members):
             out[f"region{index}"] = list(ranks)
-        out["leaders"] = [m[0] for m in self.members]
         for shard in range(self.shards):
             out[f"cross{shard}"] = list(self.shard_owners(shard))
         return out
@@ -228,3 +227,18 @@ class Topology:
 
     def group(self, name: str) -> Any:
         return self.groups[name]
+
+    def broadcast_from_rank0(self, tensors: Sequence[Any]) -> None:
+        """Rank 0's `tensors` on every rank (all ranks call, several regions), each region's link
+        crossed once: to the other regions' first ranks over "cross0" (the shard-0 owners, rank
+        0 first), then from each first rank inside its region. DDP's own start-up broadcast
+        sends rank 0's copy to every rank, across the WAN once per rank of another region."""
+        if not tensors:
+            return
+        if self.shard == 0:
+            dist._broadcast_coalesced(
+                self.group("cross0"), list(tensors), BROADCAST_BUCKET_BYTES, 0
+            )
+        if len(self.members[self.region]) > 1:
+            region = self.group(f"region{self.region}")
+            dist._broadcast_coalesced(region, list(tensors), BROADCAST_BUCKET_BYTES, 0)

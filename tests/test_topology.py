@@ -54,4 +54,34 @@ def test_discover_agrees_on_every_rank_and_makes_the_groups() -> None:
         assert regions == ("b", "a", "b")
         assert region == (0 if rank == 1 else 1)
         assert shard == (None if rank == 2 else 0)
-        assert groups == ["control", "cross0", "dense", "leaders", "region0", "region1"]
+        assert groups == ["control", "cross0", "dense", "region0", "region1"]
+
+
+def _start(rank: int, world: int, regions: str, ddp_kwargs: dict) -> tuple:
+    import torch
+
+    import cloudtrain
+
+    cloudtrain.init()
+    torch.manual_seed(rank)  # every rank starts from its own weights and statistics
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16))
+    model[1].running_mean.fill_(float(rank))
+    config = CompressionConfig(codec="none", regions=regions, timeout_s=30)
+    ddp = cloudtrain.CloudDDP(model, config, **ddp_kwargs)
+    return [p.tolist() for p in ddp.module.parameters()], ddp.module[1].running_mean.tolist()
+
+
+@pytest.mark.parametrize("ddp_kwargs", [{}, {"broadcast_buffers": False}])
+def test_every_rank_starts_from_rank_0s_model_sent_across_regions_once(ddp_kwargs) -> None:
+    """DDP's start-up sync through cloudtrain's groups (Topology.broadcast_from_rank0): rank 0's
+    parameters and buffers reach the other region's first rank (rank 1, alone in region a) over
+    cross0 and its own region's rank 2 inside region b; the deprecated broadcast_buffers=False
+    leaves buffers out, as DDP does."""
+    results = run_ranks(3, _start, "b,a,b", ddp_kwargs)
+    params = [p for p, _ in results]
+    assert params[1] == params[0] and params[2] == params[0]
+    means = [m for _, m in results]
+    if ddp_kwargs:
+        assert [m[0] for m in means] == [0.0, 1.0, 2.0]
+    else:
+        assert means == [[0.0] * 16] * 3
