@@ -10,7 +10,9 @@ and compressed across regions (cloudtrain.datapath), with the plan of what to se
 config or chosen per link by the controller (cloudtrain.controller). docs/design.md walks one
 bucket through these modules.
 
-Before the first step all ranks compare model and config and fail naming the difference.
+Before the first step all ranks compare model and config and fail naming the difference, and
+rank 0's parameters and buffers reach every rank (DDP's init_sync), across each region's link
+once (Topology.broadcast_from_rank0).
 """
 
 import logging

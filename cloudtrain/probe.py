@@ -128,24 +128,27 @@ def _measure(
     Gloo sends a message only once the receiver has posted its receive (the receiver announces
     it over the wire), so the size goes ahead untimed and dst answers "ready" once its receive
     is posted: the timed part is then payload out and ack back, one round trip plus the
-    transfer. One-byte pings time the round trip; a warm-up transfer then takes TCP out of slow
-    start, and its rate sizes the first timed message (at least `start` bytes). Sizes double
-    until the transfer, not the round trip, dominates: at least max_seconds and twice the round
-    trip."""
+    transfer. A warm-up transfer takes TCP out of slow start, and its rate sizes the first timed
+    message (at least `start` bytes); one-byte pings, around it, time the round trip. Sizes
+    double until the transfer, not the round trip, dominates: at least max_seconds and twice the
+    round trip."""
     me = dist.get_rank()
     header = torch.zeros(1, dtype=torch.int64)
     ack = torch.zeros(1, dtype=torch.uint8)
     samples: list[tuple[int, float]] = []
     if me == src:
         payload = torch.zeros(max_bytes, dtype=torch.uint8)
-        for _ in range(max(repeats, 2)):  # the round trip alone: one-byte pings
-            samples.append(_timed(1, payload, header, ack, dst, group))
-        rtt = min(t for _, t in samples)
         # A connection that has carried little is still in TCP slow start, and across a long
         # round trip that would make every small message look slower: a warm-up transfer first,
-        # not a sample, whose rate (a floor: slow start is in it) sizes the first timed message
+        # not a sample, whose rate (a floor: slow start is in it) sizes the first timed message.
+        # One-byte pings time the round trip alone: one before it (for that rate), the others
+        # after (a fresh connection's first messages can be slow).
+        samples.append(_timed(1, payload, header, ack, dst, group))
         warm, took = _timed(min(WARMUP_BYTES, max_bytes), payload, header, ack, dst, group)
-        shows = warm / max(took - rtt, 1e-9) * max(max_seconds, 2 * rtt)
+        for _ in range(max(repeats, 2)):
+            samples.append(_timed(1, payload, header, ack, dst, group))
+        rtt = min(t for _, t in samples)
+        shows = warm / max(took - samples[0][1], 1e-9) * max(max_seconds, 2 * rtt)
         size = int(min(max(start, shows), max_bytes))
         while True:
             samples.append(_timed(size, payload, header, ack, dst, group))
