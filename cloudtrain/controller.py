@@ -78,7 +78,7 @@ class Controller:
         )
         self.history: list[dict[str, Any]] = []
         self._writer = None
-        self.reprobe = False  # the leaders measure the links at the next decision
+        self.reprobe = False  # the links are re-probed at the next decision
         self.probe_sent = 0  # bytes this rank sent re-probing, not yet taken into CommStats
         self.planner = Planner(config, codecs, topo, self._calibrate(shard_numels, device))
         # decisions are gathered and made on a thread of their own (decide)
@@ -123,12 +123,13 @@ class Controller:
         started at the previous due step takes effect now (waited for, if it is still on its
         way), and the next one starts from `seen`: gathered, decided on rank 0 and broadcast on
         a background thread, on process groups of the controller's own, so its round trips
-        across regions never hold a step up. Every rank returns the same plan.
+        across regions do not hold a step up. Every rank returns the same plan.
 
-        When the decision asked for a re-probe, the region leaders measure the links first, on
-        this thread: `quiet` (all ranks call it) finishes the exchanges in flight, and the
-        region's other ranks wait for their leader at the step's first reduction, so the probe
-        is the one flow on the link - it measures the link, not what training leaves of it."""
+        When the decision asked for a re-probe, the links are measured first, on this thread
+        and by every rank (the first and last ranks of each region measure its link each way;
+        the others wait in the probe's collective): `quiet` finishes the exchanges in flight,
+        so the probe is the one flow on the link - it measures the link, not what training
+        leaves of it. This holds the step up for the probe's seconds."""
         ran = (list(self.rungs), self.staleness)  # the plan `seen` was measured under
         if self._pending is not None:
             decision, self._pending = self._pending.result(), None  # a failure raises here

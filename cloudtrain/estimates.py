@@ -8,8 +8,8 @@ out, zstd gains, and the measured step time of every plan run lately.
     links = estimates.links()                   # -> [LinkEstimate] for the cost model
 
 Bandwidth starts from the active probe (cloudtrain.probe, read by `region_links`) and is set again
-only by the region leaders' brief re-probes, made while nothing else crosses regions (the
-controller waits for the exchanges in flight): a re-probe that agrees with the estimate doubles
+only by brief re-probes, made while nothing else crosses regions (the controller finishes the
+exchanges in flight first, and every rank takes part): a re-probe that agrees with the estimate doubles
 the wait for the next one (from PROBE_EVERY decisions up to MAX_PROBE_EVERY), one that moves it
 starts again from STALE_DECISIONS. Between re-probes each shard owner times every packet it receives: packets
 never lower an estimate (their time is their sender's lateness as much as the link's), and raise
@@ -45,7 +45,7 @@ re-probes that packets arriving slowly asked for."""
 
 PROBE_EVERY = 4 * STALE_DECISIONS
 """Decisions from the start-up probe to the first re-probe. A re-probe holds every rank up for
-a few round trips and its transfers (0.5-1 s at 0-80 ms, up to 7 s at 180 ms on the emulated
+a few round trips and its transfers (0.5-1 s at 0-80 ms, 3-8 s at 180 ms on the emulated
 50 Mbit/s link), so links that agree are re-probed rarely."""
 
 MAX_PROBE_EVERY = 8 * STALE_DECISIONS
@@ -134,7 +134,7 @@ def passive_bandwidth(
     estimate however late they came: a small packet's time is its sender's lateness (regions
     run a step apart in a pipeline), not bandwidth, and must not shrink the estimate, or the
     controller would compress ever more. A link that fell while packets are small is found by
-    the leaders' re-probe. Packets all under `burst` bytes cannot raise it either: a token bucket
+    the next re-probe. Packets all under `burst` bytes cannot raise it either: a token bucket
     let them through faster than the link's rate.
     """
     fastest: dict[int, float] = {}
@@ -255,7 +255,7 @@ class Estimates:
 
     def observe_links(self, interval: Interval, warm: bool, shards: int, ewma: float) -> bool:
         """The interval's re-probe and packet arrivals into the bandwidth estimates; returns
-        whether the leaders should re-probe the links at the next decision.
+        whether the links should be re-probed at the next decision.
 
         Only a probe - one flow of a size that shows bandwidth, with nothing else on the link -
         sets an estimate, and lowers it. A packet's time is its transfer plus its sender's
@@ -265,7 +265,9 @@ class Estimates:
         region's owners share the link: `shards` of them send at once)."""
         self.since_probe += 1
         if interval.probed is not None:
+            # the interval's packets came before the probe: they say nothing beside it
             self._reprobed(interval.probed, shards)
+            return False
         suspect = False
         for region in range(len(self.bandwidth)):
             samples = interval.arrivals[region] if warm else []
@@ -286,7 +288,7 @@ class Estimates:
         return early or self.since_probe >= self.probe_every
 
     def _reprobed(self, probed: list[list[float]], shards: int) -> None:
-        """The leaders' re-probe (bandwidth from region to region, by region) sets every
+        """The re-probe (bandwidth from region to region, by region) sets every
         estimate; the next re-probe comes twice as late if it agreed with all of them."""
         agreed = True
         for r in range(len(self.bandwidth)):

@@ -193,6 +193,16 @@ class CommThread:
             self._queue.put(None)
             self._thread.join(timeout=5)
 
+    def here(self, fn: Callable[[], None]) -> None:
+        """`fn` on another thread while this one is idle (between steps, at a step's first
+        bucket), on this thread's CUDA stream where it has one: what `fn` finishes (a pipeline's
+        flights) is allocated where the thread will use and free it."""
+        if self.stream is None:
+            fn()
+            return
+        with torch.cuda.stream(self.stream):
+            fn()
+
 
 class CommState:
     """Everything CloudDDP's comm hook keeps between calls (one per CloudDDP): the config and
@@ -474,7 +484,7 @@ class CommState:
         if self.controller is not None and self.controller.due(self.step):
             self.plan = next_plan(
                 self.controller, self.path, self.step, self.shard_numels(),
-                lambda: self.pipeline.finish_all(self.path.finish),
+                self._finish_flights,
             )  # fmt: skip
             if self.plan.lossless:  # compression stops: what it kept back goes into the gradients
                 self.layouts.release_residuals(self.ef)
@@ -484,11 +494,15 @@ class CommState:
         self.step += 1
         self.stats.steps += 1
 
+    def _finish_flights(self) -> None:
+        """Exchanges in flight (staleness > 0) finished now - collectives: every rank calls it at
+        the same step. Nothing is applied early: the pipeline keeps the finished values."""
+        self._thread.here(lambda: self.pipeline.finish_all(self.path.finish))
+
     def settle(self) -> None:
-        """Exchanges in flight (staleness > 0) are finished - collectives: every rank calls it
-        at the same step - and the controller's decision on its way crosses, before this
-        returns. Nothing is applied early: the pipeline keeps the finished values."""
-        self.pipeline.finish_all(self.path.finish)
+        """Exchanges in flight finished (_finish_flights), and the controller's decision on its
+        way crosses, before this returns."""
+        self._finish_flights()
         if self.controller is not None:
             self.controller.settle()
 
@@ -506,7 +520,7 @@ class CommState:
     def state_dict(self) -> dict[str, Any]:
         """This rank's state. With exchanges in flight (staleness > 0) they are finished first -
         collectives: every rank must call it at the same step, as checkpoints do."""
-        self.pipeline.finish_all(self.path.finish)  # nothing to do without flights in the air
+        self._finish_flights()  # nothing to do without flights in the air
         return {
             "format": COMM_STATE_FORMAT,
             "config": self.config.fingerprint(),
@@ -549,7 +563,9 @@ def next_plan(
     seen = path.observer.take(path.stats)
     if path.probe is not None:
         seen.quality = path.probe.take()
+    t0 = time.monotonic()
     plan = controller.decide(step, seen, shard_numels, path.stats.wan_bytes_sent, quiet)
+    path.observer.exclude(time.monotonic() - t0)  # a re-probe's seconds are not the step's
     path.stats.wan_bytes_sent += controller.take_probe_sent()  # a re-probe's
     return plan
 

@@ -91,7 +91,8 @@ class Pipeline:
 
     def finish_all(self, finish: Callable[[Exchange], torch.Tensor]) -> None:
         """Finish every flight in the order they were started (all ranks together): before a
-        checkpoint, so that what is in flight is saved as values."""
+        checkpoint, so that what is in flight is saved as values, and before a re-probe of the
+        links, so that nothing else crosses them."""
         for flight in self.flights:
             if flight.values is None:
                 flight.values = finish(flight.exchange).clone()

@@ -141,14 +141,14 @@ def _measure(
         # A connection that has carried little is still in TCP slow start, and across a long
         # round trip that would make every small message look slower: a warm-up transfer first,
         # not a sample, whose rate (a floor: slow start is in it) sizes the first timed message.
-        # One-byte pings time the round trip alone: one before it (for that rate), the others
-        # after (a fresh connection's first messages can be slow).
+        # One-byte pings time the round trip alone, around it (a fresh connection's first
+        # messages can be slow: the fastest counts).
         samples.append(_timed(1, payload, header, ack, dst, group))
         warm, took = _timed(min(WARMUP_BYTES, max_bytes), payload, header, ack, dst, group)
         for _ in range(max(repeats, 2)):
             samples.append(_timed(1, payload, header, ack, dst, group))
         rtt = min(t for _, t in samples)
-        shows = warm / max(took - samples[0][1], 1e-9) * max(max_seconds, 2 * rtt)
+        shows = warm / max(took - rtt, 1e-9) * max(max_seconds, 2 * rtt)
         size = int(min(max(start, shows), max_bytes))
         while True:
             samples.append(_timed(size, payload, header, ack, dst, group))

@@ -97,7 +97,7 @@ class UnitExchange:
         if self.controller is not None and self.controller.due(self.step):
             self.plan = next_plan(
                 self.controller, self.path, self.step, self.shard_numels(),
-                lambda: self.pipeline.finish_all(self.path.collect),
+                self._finish_flights,
             )  # fmt: skip
 
     def _end_backward(self) -> None:

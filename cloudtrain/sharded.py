@@ -307,7 +307,7 @@ class ShardedComm(UnitExchange):
                 "ShardedComm.comm_state_dict(): the outer loop has no optimizer yet; call "
                 "attach(optimizer) first (or save after the first optimizer step)"
             )
-        self.pipeline.finish_all(self.path.collect)
+        self._finish_flights()
         return {
             "format": SHARDED_STATE_FORMAT,
             "config": self.config.fingerprint(),
@@ -371,11 +371,20 @@ class ShardedComm(UnitExchange):
         if self.outer is not None:
             self.outer.sync_all()
 
+    def _finish_flights(self) -> None:
+        """The pipeline's exchanges in flight finished now (all ranks, the same step), on the
+        communication thread's CUDA stream where it has one (CommThread.here)."""
+        finish = lambda: self.pipeline.finish_all(self.path.collect)  # noqa: E731
+        if self._thread is None:
+            finish()
+        else:
+            self._thread.here(finish)
+
     def settle(self) -> None:
         """Let cloudtrain's collectives in flight finish (the pipeline's, the controller's, the
         outer loop's) - every rank, the same step, before destroy_process_group()."""
         if self.path is not None:
-            self.pipeline.finish_all(self.path.collect)
+            self._finish_flights()
         if self.controller is not None:
             self.controller.settle()
         if self.outer is not None:

@@ -140,6 +140,12 @@ class Observer:
             self._current.compute_s.append(time.monotonic() - self._step_start)
             self._current.samples.append(samples)
 
+    def exclude(self, seconds: float) -> None:
+        """`seconds` of the step now running were neither its compute nor its communication (a
+        re-probe of the links, waiting for a decision): left out of both."""
+        if self._step_start is not None:
+            self._step_start += seconds
+
     def arrived(self, region: int, nbytes: int, seconds: float) -> None:
         if seconds > 0:
             self._current.arrivals.setdefault(region, []).append((nbytes, seconds))
