@@ -42,7 +42,7 @@ from .estimates import (
 from .guard import QualityGuard
 from .plan import Codecs, Plan, describe
 from .planner import FIRST_DECISION, Current, Decision, Planner
-from .probe import MIN_TRANSFER_S, expand, probe, representative_pairs
+from .probe import MIN_TRANSFER_S
 from .shares import SHARE_LEAD, BatchShares
 from .stats import Observations
 from .topology import Topology
@@ -179,23 +179,14 @@ class Controller:
         region. It starts at the size that shows the slowest link as estimated (never under
         256 KiB: smaller messages ride tbf-like token buckets at line rate), and every rank
         waits for it, so none sends across regions while it runs."""
-        topo, est, t0 = self.topo, self.estimates, time.perf_counter()
-        region = {rank: r for r, ranks in enumerate(topo.members) for rank in ranks}
-        pairs = [(i, j) for i, j in representative_pairs(topo.members) if region[i] != region[j]]
+        topo, est = self.topo, self.estimates
         shows = est.slowest * topo.shards * max(MIN_TRANSFER_S, 2 * max(est.rtt))
-        measured = probe(
-            self.own.group("control"), start_bytes=int(min(max(shows, BURST_BYTES), 1 << 24)),
-            repeats=2, pairs=pairs, region=[region[rank] for rank in range(topo.world_size)],
+        links = topo.measure(
+            self.own.group("control"), "links re-probed", across=True, repeats=2,
+            start_bytes=int(min(max(shows, BURST_BYTES), 1 << 24)),
         )  # fmt: skip
-        self.probe_sent += measured.sent  # taken by the hook between steps (take_probe_sent)
-        links = expand(measured, topo.members)
+        self.probe_sent += links.sent  # taken by the hook between steps (take_probe_sent)
         leaders = [m[0] for m in topo.members]
-        if topo.rank == 0:
-            seen = ", ".join(
-                f"{topo.regions[a]}->{topo.regions[b]} {links.mbit(la, lb):.1f} Mbit/s"
-                for a, la in enumerate(leaders) for b, lb in enumerate(leaders) if a != b
-            )  # fmt: skip
-            log.warning("cloudtrain: links re-probed in %.1f s: %s", time.perf_counter() - t0, seen)
         return [[links.beta[la][lb] for lb in leaders] for la in leaders]
 
     def _apply(self, step: int, decision: Decision) -> None:

@@ -7,12 +7,12 @@ out, zstd gains, and the measured step time of every plan run lately.
     estimates.observe(interval, ...)            # rank 0, at a decision
     links = estimates.links()                   # -> [LinkEstimate] for the cost model
 
-Bandwidth starts from the active probe (cloudtrain.probe, read by `region_links`) and is set again
-only by brief re-probes, made while nothing else crosses regions (the controller finishes the
-exchanges in flight first, and every rank takes part): a re-probe that agrees with the estimate doubles
-the wait for the next one (from PROBE_EVERY decisions up to MAX_PROBE_EVERY), one that moves it
-starts again from STALE_DECISIONS. Between re-probes each shard owner times every packet it receives: packets
-never lower an estimate (their time is their sender's lateness as much as the link's), and raise
+Bandwidth starts from the active probe (cloudtrain.probe, read by `region_links`) and is set
+again only by brief re-probes, made while nothing else crosses regions (the controller finishes
+the exchanges in flight first, and every rank takes part): a re-probe that agrees with the
+estimate doubles the wait for the next one (from PROBE_EVERY decisions up to MAX_PROBE_EVERY),
+one that moves it starts again from STALE_DECISIONS. Between re-probes each shard owner times
+every packet it receives: packets never lower an estimate (their time is their sender's lateness as much as the link's), and raise
 it only when one owner's packets alone came faster than the whole link was thought to carry;
 packets that arrive much slower than they did after the last re-probe ask for the next one early.
 Rank 0 updates the estimates at each decision, and every rank gets them with the decision, so

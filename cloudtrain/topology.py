@@ -164,29 +164,38 @@ class Topology:
         return topo
 
     def probe(self) -> LinkMatrix:
-        """Measure the links now (all ranks call), and keep the result: with the regions known,
-        the links that stand for all (probe.representative_pairs: each way between every two
-        regions, and one inside each region; those that share no link at the same time), the
-        rest copied from them. Logged on rank 0."""
+        """Measure the links now (all ranks call), and keep the result (`measure`)."""
+        self.links = self.measure(self.group("control"), "links measured")
+        return self.links
+
+    def measure(self, group: Any, what: str, across: bool = False, **options: Any) -> LinkMatrix:
+        """The links measured on `group` (all ranks call; `options` go to probe.probe): with the
+        regions known, the links that stand for all (probe.representative_pairs: each way
+        between every two regions, and - unless `across` - one inside each region; those that
+        share no link at the same time), the rest copied from them. Logged on rank 0 as
+        `what`."""
         t0 = time.perf_counter()
-        pairs = representative_pairs(self.members)
         region = [0] * self.world_size
         for r, members in enumerate(self.members):
             for rank in members:
                 region[rank] = r
-        measured = probe(self.group("control"), pairs=pairs, region=region)
-        self.links = expand(measured, self.members)
+        pairs = [
+            (i, j)
+            for i, j in representative_pairs(self.members)
+            if not across or region[i] != region[j]
+        ]
+        links = expand(probe(group, pairs=pairs, region=region, **options), self.members)
         if self.rank == 0:
             leaders = [m[0] for m in self.members]
             seen = ", ".join(
-                f"{self.regions[a]}->{self.regions[b]} {self.links.mbit(la, lb):.1f} Mbit/s "
-                f"{1000 * self.links.alpha[la][lb]:.0f} ms"
+                f"{self.regions[a]}->{self.regions[b]} {links.mbit(la, lb):.1f} Mbit/s "
+                f"{1000 * links.alpha[la][lb]:.0f} ms"
                 for a, la in enumerate(leaders)
                 for b, lb in enumerate(leaders)
                 if a != b
             )
-            log.warning("cloudtrain: links measured in %.1f s: %s", time.perf_counter() - t0, seen)
-        return self.links
+            log.warning("cloudtrain: %s in %.1f s: %s", what, time.perf_counter() - t0, seen)
+        return links
 
     def group_ranks(self) -> dict[str, list[int]]:
         """The ranks of each process group CloudDDP uses, by name, in the order they are made:
