@@ -28,7 +28,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -310,14 +310,18 @@ class Controller:
         return out
 
     def plan_for_links(
-        self, mbit: Sequence[float], rtt_ms: Sequence[float], shard_numels: Sequence[int]
+        self, links: Mapping[str, tuple[float, float]], shard_numels: Sequence[int]
     ) -> dict[str, str]:
         """By region name: the rung the cost model picks, under the guard's ceilings, were each
-        region's link `mbit[r]` Mbit/s with `rtt_ms[r]` round trips and everything else as
+        region's link (`links[name]`: Mbit/s, round trip in ms - the whole link, which the
+        region's shard owners share as they do in the estimates) as given and everything else as
         measured (Planner.rungs_for): to check the plan in force against a known link."""
+        missing = [name for name in self.topo.regions if name not in links]
+        if missing:
+            raise ValueError(f"plan_for_links: no link given for region(s) {missing}")
         est = self.estimates.copy()
-        est.bandwidth = [m * 1e6 / 8 for m in mbit]
-        est.rtt = [r / 1000 for r in rtt_ms]
+        est.bandwidth = [links[n][0] * 1e6 / 8 / self.topo.shards for n in self.topo.regions]
+        est.rtt = [links[n][1] / 1000 for n in self.topo.regions]
         rungs = self.planner.rungs_for(est, shard_numels, self.guard)
         ladder = self.options.ladder
         return {name: describe(ladder[r]) for name, r in zip(self.topo.regions, rungs, strict=True)}

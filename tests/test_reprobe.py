@@ -21,6 +21,7 @@ import json, sys
 import torch
 import cloudtrain
 from cloudtrain import CompressionConfig
+from cloudtrain.plan import describe
 
 cloudtrain.init(timeout_s=120)
 torch.manual_seed(0)
@@ -48,7 +49,13 @@ for i in range(5, 400):
     if now < probed:  # a decision that carried a re-probe took effect
         break
     probed = now
-print(json.dumps({"step": i, **ddp.stats().controller}), flush=True)
+# the cost model's pick for the links as the controller believes them (whole links, given as
+# a user would measure them) is its pick on its own estimates (one shard owner's share each)
+ctl, numels = ddp.comm.controller, ddp.comm.shard_numels()
+believed = {n: (l["bandwidth_mbit"] * l["senders"], l["rtt_ms"]) for n, l in ctl.snapshot()["links"].items()}
+own = [ctl.options.ladder[r] for r in ctl.planner.rungs_for(ctl.estimates, numels, ctl.guard)]
+same = list(ctl.plan_for_links(believed, numels).values()) == [describe(r) for r in own]
+print(json.dumps({"step": i, "same_pick": same, **ddp.stats().controller}), flush=True)
 ddp.comm.settle()
 torch.distributed.barrier()
 """
@@ -76,6 +83,7 @@ def test_a_link_that_falls_is_found_by_the_reprobe_while_training_runs():
     report = json.loads(outs[0].strip().splitlines()[-1])
     print(f"re-probed by step {report['step']}: {report['links']}")
     assert report["step"] < 399, report  # a re-probe came
+    assert report["same_pick"], report
     for region, link in report["links"].items():
         estimate = link["bandwidth_mbit"] * link["senders"]
         # the link as one flow sees it, not the half or less that training left of it

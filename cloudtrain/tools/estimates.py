@@ -9,9 +9,10 @@ directions of each region's link at the rate): first one TCP flow each way betwe
 it), then per-step "auto" for --steps steps of the bench's MLP. The table gives, by region, the
 controller's estimate of the link at the end (`stats().controller["links"]`: one sender's share
 times the region's senders, its shard owners, which send at once) against that flow, its
-round trip against the one asked, the plan "auto" ended on against the rung the cost model picks
-for the link as it is (`Controller.plan_for_links`: the flow's rate, the asked round trip,
-everything else as measured), and the seconds from CloudDDP's construction to the end of its
+round trip against the one asked, the plan "auto" ended on (`stats().controller["plan"]`)
+against the rung the cost model picks for the link as it is (`Controller.plan_for_links`: the
+flow's rate shared by the region's senders, the asked round trip, everything else as measured),
+and the seconds from CloudDDP's construction to the end of its
 first step. A link is tracked when its estimate is within 25 % of the flow's rate.
 """
 
@@ -52,20 +53,18 @@ def _measure(args: argparse.Namespace, mbit: float, rtt_ms: float, progress: Any
         flow = {"us": wan.measure_mbit(0, 2, seconds), "eu": wan.measure_mbit(2, 0, seconds)}
         run_args = argparse.Namespace(**vars(args))
         run_args.workload, run_args.overrides = "bench-mlp", None
-        run_args.true_link = json.dumps(
-            {"mbit": [flow[r] for r in REGIONS], "rtt_ms": [rtt_ms] * len(REGIONS)}
-        )
+        run_args.true_link = json.dumps({r: [flow[r], rtt_ms] for r in REGIONS})
         run = run_method("cloud-auto", run_args, wan, ["us", "us", "eu", "eu"], progress)
     finally:
         wan.down()
-    plans = run.plans[-1][1] if run.plans else [None] * len(REGIONS)
     rows = []
-    for i, region in enumerate(REGIONS):
+    for region in REGIONS:
         link = (run.links or {}).get(region, {})
         share = link.get("bandwidth_mbit")  # one shard owner's: the region's send at once
         estimate = None if share is None else share * link["senders"]
         ratio = None if estimate is None else estimate / flow[region]
-        plan, true_plan = plans[i], (run.true_link_plan or {}).get(region)
+        plan = (run.plan_by_region or {}).get(region)
+        true_plan = (run.true_link_plan or {}).get(region)
         rows.append({
             "mbit": mbit, "rtt_ms": rtt_ms, "region": region, "flow_mbit": flow[region],
             "estimate_mbit": estimate, "ratio": ratio,

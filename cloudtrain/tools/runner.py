@@ -142,11 +142,10 @@ def _result(args: argparse.Namespace, ddp: Any, trainer: Any, step_times, curve,
             result["staleness"] = [outer.outer.overlap]
         elif comm.controller is not None:
             result["links"] = stats.controller["links"]
+            result["plan_by_region"] = stats.controller["plan"]
             if args.true_link:  # the cost model's pick for the link as it is (estimates bench)
-                true = json.loads(args.true_link)
-                result["true_link_plan"] = comm.controller.plan_for_links(
-                    true["mbit"], true["rtt_ms"], comm.shard_numels()
-                )
+                true = {name: tuple(link) for name, link in json.loads(args.true_link).items()}
+                result["true_link_plan"] = comm.controller.plan_for_links(true, comm.shard_numels())
             history = comm.controller.history
             result["plans"] = [(h["step"], h["levels"]) for h in history]
             result["decisions"] = [h["text"] for h in history]
@@ -229,6 +228,8 @@ class Run:
     """The outer loop's [H, rungs by region]."""
     links: dict | None = None
     """The controller's link estimates at the end, by region (stats().controller["links"])."""
+    plan_by_region: dict | None = None
+    """The controller's plan in force at the end, by region (stats().controller["plan"])."""
     true_link_plan: dict | None = None
     """With --true-link: the cost model's rung for each region's link as it is."""
     ready_s: float | None = None
@@ -344,6 +345,7 @@ def run_method(
         result.get("sends"),
         result.get("outer_schedule"),
         result.get("links"),
+        result.get("plan_by_region"),
         result.get("true_link_plan"),
         result.get("ready_s"),
     )
