@@ -14,7 +14,8 @@ estimate doubles the wait for the next one (from PROBE_EVERY decisions up to MAX
 one that moves it starts again from STALE_DECISIONS. Between re-probes each shard owner times
 every packet it receives: packets never lower an estimate (their time is their sender's lateness as much as the link's), and raise
 it only when one owner's packets alone came faster than the whole link was thought to carry;
-packets that arrive much slower than they did after the last re-probe ask for the next one early.
+packets that arrive much slower than packets of their size did after the last re-probe ask for the
+next one early.
 Rank 0 updates the estimates at each decision, and every rank gets them with the decision, so
 all ranks hold the same.
 """
@@ -58,6 +59,14 @@ SUSPECT = 0.7
 """Packets arriving at under this share of the rate they arrived at after the last re-probe ask
 for the next one early: they lower nothing themselves (a late sender, or the round trip, makes
 a fast link look slow)."""
+
+LIKE_SIZED = 1.25
+"""Packets are compared with the baseline's only where the largest is within this factor of the
+baseline's largest: a smaller packet arrives at a lower rate on the same link (the round trip
+and its sender's lateness weigh more in its time), so a plan that compresses more - or the
+quality guard moving a rung - would read as a link that slowed (at 50 Mbit/s and 0-180 ms on
+the emulated links, re-probes came at the earliest allowed while plans moved between 4 and
+8 bits). Packets of another size set a new baseline instead."""
 
 
 def smoothed(new: float, old: float | None, weight: float) -> float:
@@ -150,6 +159,12 @@ def passive_bandwidth(
     return measured
 
 
+def _like_sized(nbytes: int, baseline: int) -> bool:
+    """Whether packets whose largest is `nbytes` compare with a baseline set by ones whose
+    largest was `baseline` (LIKE_SIZED)."""
+    return baseline > 0 and 1 / LIKE_SIZED <= nbytes / baseline <= LIKE_SIZED
+
+
 def _median(values: Sequence[float]) -> float | None:
     ordered = sorted(values)
     return ordered[len(ordered) // 2] if ordered else None
@@ -230,7 +245,10 @@ class Estimates:
     """Decisions from one re-probe to the next (module docstring)."""
     packet_rate: list[float | None] = field(default_factory=list)
     """By region: the rate its packets arrived at in the first interval after the last probe
-    that timed them (what a drop is judged against: the packets' lateness is in it too)."""
+    that timed them, or since their size last changed (what a drop is judged against: the
+    packets' lateness is in it too)."""
+    packet_bytes: list[int] = field(default_factory=list)
+    """By region: the largest packet of the interval that set `packet_rate` (0: none yet)."""
     zstd_gains: dict[tuple[int, int], ZstdGain] = field(default_factory=dict)
     """(region, rung) -> the smoothed gain of the zstd stage there."""
     measured_steps: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
@@ -240,7 +258,10 @@ class Estimates:
 
     @classmethod
     def start(cls, regions: int) -> Estimates:
-        return cls([None] * regions, [0.0] * regions, packet_rate=[None] * regions)
+        return cls(
+            [None] * regions, [0.0] * regions, packet_rate=[None] * regions,
+            packet_bytes=[0] * regions,
+        )  # fmt: skip
 
     def links(self) -> list[LinkEstimate]:
         """The links for the cost model (an unknown bandwidth: as fast as a link can be)."""
@@ -279,9 +300,9 @@ class Estimates:
                 self.bandwidth[region] = measured
             elif measured > shards * old:
                 self.bandwidth[region] = smoothed(measured / shards, old, ewma)
-            baseline = self.packet_rate[region]
-            if baseline is None:
-                self.packet_rate[region] = measured
+            largest, baseline = max(n for n, _ in samples), self.packet_rate[region]
+            if baseline is None or not _like_sized(largest, self.packet_bytes[region]):
+                self.packet_rate[region], self.packet_bytes[region] = measured, largest
             elif measured < SUSPECT * baseline:
                 suspect = True
         early = suspect and self.since_probe >= STALE_DECISIONS
@@ -297,6 +318,7 @@ class Estimates:
             agreed = agreed and old is not None and abs(new / old - 1) <= AGREES
             self.bandwidth[r] = new
         self.since_probe, self.packet_rate = 0, [None] * len(self.bandwidth)
+        self.packet_bytes = [0] * len(self.bandwidth)
         self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY) if agreed else STALE_DECISIONS
 
     def observe_stages(self, stages: dict[str, float], ewma: float) -> None:
@@ -373,6 +395,7 @@ class Estimates:
             "since_probe": self.since_probe,
             "probe_every": self.probe_every,
             "packet_rate": list(self.packet_rate),
+            "packet_bytes": list(self.packet_bytes),
             "zstd_gains": [
                 [r, rung, *dataclasses.astuple(g)] for (r, rung), g in self.zstd_gains.items()
             ],
@@ -397,6 +420,7 @@ class Estimates:
             int(state.get("since_probe", 0)),
             int(state.get("probe_every", PROBE_EVERY)),
             list(state.get("packet_rate", [None] * regions)),
+            list(state.get("packet_bytes", [0] * regions)),
             {
                 (int(r), int(rung)): ZstdGain(ratio, encode, decode)
                 for r, rung, ratio, encode, decode in state.get("zstd_gains", [])

@@ -48,6 +48,21 @@ def test_slow_packets_lower_nothing_and_ask_for_a_probe_only_when_they_slowed():
     assert est.bandwidth == [100 * MBIT, 100 * MBIT]
 
 
+def test_smaller_packets_after_a_plan_change_set_a_new_baseline_and_ask_for_no_probe():
+    est = started()
+    # 4 MB packets at 80 Mbit/s; then a plan that compresses twice as much: 2 MB packets, whose
+    # fixed costs (round trip, lateness) weigh twice - they arrive at 40, as a slower link's would
+    big = [(4_000_000, 0.08 + 4_000_000 / (80 * MBIT))] * 3
+    small = [(2_000_000, 0.08 + 2_000_000 / (40 * MBIT))] * 3
+    assert est.observe_links(interval((big, big)), True, 1, 0.5) is False
+    for decision in range(2, 4 * STALE_DECISIONS):
+        assert est.observe_links(interval((small, small)), True, 1, 0.5) is False, decision
+    assert est.packet_bytes == [2_000_000] * 2 and est.packet_rate == [pytest.approx(40 * MBIT)] * 2
+    # the 2 MB packets' own rate halving is a drop
+    slower = [(2_000_000, 0.08 + 2_000_000 / (20 * MBIT))] * 3
+    assert est.observe_links(interval((slower, slower)), True, 1, 0.5) is True
+
+
 def test_only_a_probe_lowers_an_estimate_and_one_owners_packets_beyond_the_link_raise_it():
     est = started()
     probed = [[0.0, 40 * MBIT], [60 * MBIT, 0.0]]  # region 0 -> 1 at 40, 1 -> 0 at 60
