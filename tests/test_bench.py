@@ -18,6 +18,7 @@ from support import EMULATOR_MACHINE, skip_or_fail
 from cloudtrain.config import LADDER
 from cloudtrain.plan import describe
 from cloudtrain.tools import netem
+from cloudtrain.tools.bench import _spans
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -57,6 +58,20 @@ def test_bench_reports_wan_bytes_from_the_shaped_links(tmp_path):
     assert outer["plans"] and outer["plans"][0][1][0].startswith("every "), outer["plans"]
     # every step of DDP waits for at least one round trip across the regions
     assert min(rows["ddp"]["step_times_ms"][2:]) >= 80, rows["ddp"]["step_times_ms"]
+    # the planner's prediction beside every shaped row: its bytes are the emulator's counted
+    # ones (a ring's, top-k's wire sizes; the outer loop's syncs, zstd left out of the model)
+    for method, tolerance in (("ddp", 0.1), ("cloud-topk-1pct", 0.1), ("cloud-diloco", 0.25)):
+        row = rows[method]
+        assert row["predicted_step_ms"] > 0, row
+        ratio = row["predicted_wan_mb_per_step"] / row["wan_mb_per_step"]
+        assert abs(ratio - 1) <= tolerance, (method, ratio)
+
+
+def test_auto_is_predicted_for_each_plan_by_the_counted_steps_it_was_in_force():
+    # decisions at steps 12, 26 and 42 of 60, the first 5 steps not counted
+    assert _spans([12, 26, 42], 60, 5) == [21, 16, 18]
+    assert _spans([0], 60, 5) == [55]
+    assert _spans([3, 4, 70], 60, 5) == [0, 55, 0]  # decided in the warm-up; after the end
 
 
 def test_scenarios_carry_their_rtt_and_the_options_override_them():

@@ -256,7 +256,9 @@ def _predict(
 ) -> tuple[float | None, float | None]:
     """The planner's step time (ms) and WAN MB/step for this row (cloudtrain.forecast), from
     the measured compute step, the row's own measured dense in-region costs and the scenario's
-    links; None where the model has no such mode (PowerSGD, the loopback rows).
+    links; None where the model has no such mode (PowerSGD, the loopback rows). "auto" is
+    predicted for each plan it ran, weighted by the counted steps each was in force (zstd's
+    gains left out: the planner predicts none).
 
     The outer loop's inner step is DDP's inside a region: its base is DDP's unshaped step (the
     all-reduce overlapping backward as DDP overlaps it) where the bench ran it. Its syncs are
@@ -290,8 +292,22 @@ def _predict(
         intra = stages.get("intra_reduce", 0.0) + stages.get("intra_gather", 0.0)
         setting = Setting(run.numel, world, per_owner, shards, compute.step_ms / 1000, intra)
         sends = [(r[0], _level(r[1])) for r in run.sends or [["none", None]] * 2]
-        step, sent = predict_rungs(setting, sends)
+        plans = run.plan_history or [(0, sends)]
+        spans = _spans([s for s, _ in plans], *counted)
+        predicted = [predict_rungs(setting, [(c, _level(lv)) for c, lv in p]) for _, p in plans]
+        step = sum(n * t for n, (t, _) in zip(spans, predicted, strict=True)) / sum(spans)
+        sent = [sum(n * sum(b) for n, (_, b) in zip(spans, predicted, strict=True)) / sum(spans)]
     return 1000 * step, sum(sent) / 1e6
+
+
+def _spans(starts: list[int], steps: int, warmup: int) -> list[int]:
+    """How many of the counted steps (warm-up to the end) each plan was in force, for plans
+    decided at `starts` (the first also stands for the steps before it)."""
+    ends = [*starts[1:], steps]
+    return [
+        max(min(end, steps) - max(start if i else warmup, warmup), 0)
+        for i, (start, end) in enumerate(zip(starts, ends, strict=True))
+    ]
 
 
 def _level(level: Any) -> Any:

@@ -146,8 +146,9 @@ def _result(args: argparse.Namespace, ddp: Any, trainer: Any, step_times, curve,
             if args.true_link:  # the cost model's pick for the link as it is (estimates bench)
                 true = {name: tuple(link) for name, link in json.loads(args.true_link).items()}
                 result["true_link_plan"] = comm.controller.plan_for_links(true, comm.shard_numels())
-            history = comm.controller.history
+            history, ladder = comm.controller.history, comm.controller.options.ladder
             result["plans"] = [(h["step"], h["levels"]) for h in history]
+            result["plan_history"] = [(h["step"], [ladder[r] for r in h["rungs"]]) for h in history]
             result["decisions"] = [h["text"] for h in history]
             result["staleness"] = sorted({h["staleness"] for h in history} | {comm.plan.staleness})
         else:
@@ -228,6 +229,8 @@ class Run:
     """The outer loop's [H, rungs by region]."""
     links: dict | None = None
     """The controller's link estimates at the end, by region (stats().controller["links"])."""
+    plan_history: list | None = None
+    """The controller's plans: (decision step, (codec, level) by region), oldest first."""
     plan_by_region: dict | None = None
     """The controller's plan in force at the end, by region (stats().controller["plan"])."""
     true_link_plan: dict | None = None
@@ -345,6 +348,7 @@ def run_method(
         result.get("sends"),
         result.get("outer_schedule"),
         result.get("links"),
+        result.get("plan_history"),
         result.get("plan_by_region"),
         result.get("true_link_plan"),
         result.get("ready_s"),
