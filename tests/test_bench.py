@@ -74,6 +74,13 @@ def test_auto_is_predicted_for_each_plan_by_the_counted_steps_it_was_in_force():
     assert _spans([3, 4, 70], 60, 5) == [0, 55, 0]  # decided in the warm-up; after the end
 
 
+def test_a_drop_the_run_does_not_reach_is_refused_before_anything_runs():
+    cmd = [sys.executable, "-m", "cloudtrain.tools.bench", "--scenario", "drop", "--steps", "60"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "--drop-at 60 must be" in res.stderr, res.stderr[-2000:]
+    assert "e.g. --steps 100" in res.stderr
+
+
 def test_scenarios_carry_their_rtt_and_the_options_override_them():
     import argparse
 

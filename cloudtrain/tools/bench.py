@@ -463,6 +463,12 @@ def run(args: argparse.Namespace) -> int:
         return worker(args)
     if args.warmup >= args.steps:
         raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    if args.scenario == "drop" and not args.warmup < args.drop_at <= args.steps - 5:
+        raise SystemExit(
+            f"--scenario drop: --drop-at {args.drop_at} must be after --warmup {args.warmup} and "
+            f"at least 5 steps before --steps {args.steps} (the recovery is timed over 5-step "
+            f"windows after it): e.g. --steps {max(args.steps, args.drop_at + 40)}"
+        )
     tool = quality if args.quality else estimates if args.estimates else None
     report = tool.drive(args) if tool is not None else drive(args)
     if args.json:
