@@ -147,9 +147,10 @@ class Controller:
         if self.reprobe:
             if quiet is not None:
                 quiet()
+            t0 = time.perf_counter()
             probed = self._reprobe()
             if self.topo.rank == 0:
-                mine["probed"] = probed
+                mine["probed"], mine["probe_s"] = probed, time.perf_counter() - t0
         self._pending = self._pool.submit(self._gather, step, mine, list(shard_numels), ran)
         self.next_due = step + self.interval
         self._write_metrics(step, wan_bytes_sent)
@@ -295,7 +296,14 @@ class Controller:
             },
             "staleness": self.staleness,
             # decisions since the links were last probed, and between re-probes now
-            "probed": {"decisions_ago": est.since_probe, "every": est.probe_every},
+            "probed": {
+                "decisions_ago": est.since_probe,
+                "every": max(est.probe_every, est.affordable(self.options.interval)),
+                # a re-probe's low reading waiting for the next re-probe to confirm it
+                "unconfirmed_fall": {
+                    name: 8 * f / 1e6 for name, f in zip(names, est.fall, strict=True) if f is not None
+                },
+            },
             "guard": None if self.guard is None else self.guard.snapshot(names, ladder),
             "throughput": {
                 "by_rank": list(est.throughput),

@@ -7,15 +7,19 @@ out, zstd gains, and the measured step time of every plan run lately.
     estimates.observe(interval, ...)            # rank 0, at a decision
     links = estimates.links()                   # -> [LinkEstimate] for the cost model
 
-Bandwidth starts from the active probe (cloudtrain.probe, read by `region_links`) and is set
-again only by brief re-probes, made while nothing else crosses regions (the controller finishes
-the exchanges in flight first, and every rank takes part): a re-probe that agrees with the
-estimate doubles the wait for the next one (from PROBE_EVERY decisions up to MAX_PROBE_EVERY),
-one that moves it starts again from STALE_DECISIONS. Between re-probes each shard owner times
-every packet it receives: packets never lower an estimate (their time is their sender's lateness as much as the link's), and raise
-it only when one owner's packets alone came faster than the whole link was thought to carry;
-packets that arrive much slower than packets of their size did after the last re-probe ask for the
-next one early.
+Bandwidth starts from the active probe (cloudtrain.probe, read by `region_links`) and is set again
+only by brief re-probes, made while nothing else crosses regions (the controller finishes the
+exchanges in flight first, and every rank takes part): a re-probe that agrees with the estimate
+doubles the wait for the next one (from PROBE_EVERY decisions up to MAX_PROBE_EVERY), one that
+moves it starts again from STALE_DECISIONS, and none comes sooner than keeps re-probes to
+REPROBE_SHARE of the run's time. A re-probe that reads a link well under its estimate is repeated
+at the next decision, and the better of the two readings sets it, so that one transfer that read
+low lowers nothing (on the emulated links at 80 ms, one probe reads 0.64-1.12x of one TCP flow from
+one run to the next). Between re-probes each shard owner times every packet it receives: packets
+never lower an estimate (their time is their sender's lateness as much as the link's), and raise it
+only when one owner's packets alone came faster than the whole link was thought to carry; packets
+that arrive much slower than packets of their size did after the last re-probe ask for the next one
+early.
 Rank 0 updates the estimates at each decision, and every rank gets them with the decision, so
 all ranks hold the same.
 """
@@ -60,13 +64,18 @@ SUSPECT = 0.7
 for the next one early: they lower nothing themselves (a late sender, or the round trip, makes
 a fast link look slow)."""
 
+REPROBE_SHARE = 0.02
+"""Re-probes take at most this share of the run: every rank waits out a re-probe (0.5-1 s at
+0-80 ms, 3-8 s at 180 ms on the emulated 50 Mbit/s link), so after one the next - scheduled or
+asked for by slow packets - waits at least its seconds / REPROBE_SHARE of steps (at 180 ms and
+0.44 s steps, 6 s: about 680 steps). Only a fall's confirmation comes sooner."""
+
 LIKE_SIZED = 1.25
 """Packets are compared with the baseline's only where the largest is within this factor of the
 baseline's largest: a smaller packet arrives at a lower rate on the same link (the round trip
 and its sender's lateness weigh more in its time), so a plan that compresses more - or the
-quality guard moving a rung - would read as a link that slowed (at 50 Mbit/s and 0-180 ms on
-the emulated links, re-probes came at the earliest allowed while plans moved between 4 and
-8 bits). Packets of another size set a new baseline instead."""
+quality guard moving a rung - would read as a link that slowed. Packets of another size set a
+new baseline instead."""
 
 
 def smoothed(new: float, old: float | None, weight: float) -> float:
@@ -197,6 +206,8 @@ class Interval:
     """The re-probe, where one ran: bandwidth from region to region (rank 0's)."""
     throughput: list[float | None] | None = None
     """By rank: samples per second of its compute over the interval (None: none timed)."""
+    probe_s: float = 0.0
+    """The seconds the re-probe held every rank up, where one ran."""
 
     @classmethod
     def of(cls, gathered: list[dict[str, Any]], members: Sequence[Sequence[int]]) -> Interval:
@@ -219,6 +230,7 @@ class Interval:
             quality,
             gathered[0].get("probed"),
             [_throughput(g.get("samples", []), g["compute"]) for g in gathered],
+            float(gathered[0].get("probe_s", 0.0)),
         )  # fmt: skip
 
 
@@ -249,6 +261,13 @@ class Estimates:
     packets' lateness is in it too)."""
     packet_bytes: list[int] = field(default_factory=list)
     """By region: the largest packet of the interval that set `packet_rate` (0: none yet)."""
+    fall: list[float | None] = field(default_factory=list)
+    """By region: a re-probe's reading well under the estimate, not yet confirmed by the next
+    re-probe (None: none): one transfer that lost packets must not lower an estimate."""
+    probe_s: float = 0.0
+    """The seconds the last re-probe held every rank up (REPROBE_SHARE)."""
+    step_s: float | None = None
+    """A whole step's seconds, smoothed (REPROBE_SHARE)."""
     zstd_gains: dict[tuple[int, int], ZstdGain] = field(default_factory=dict)
     """(region, rung) -> the smoothed gain of the zstd stage there."""
     measured_steps: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
@@ -260,7 +279,7 @@ class Estimates:
     def start(cls, regions: int) -> Estimates:
         return cls(
             [None] * regions, [0.0] * regions, packet_rate=[None] * regions,
-            packet_bytes=[0] * regions,
+            packet_bytes=[0] * regions, fall=[None] * regions,
         )  # fmt: skip
 
     def links(self) -> list[LinkEstimate]:
@@ -274,7 +293,9 @@ class Estimates:
     def slowest(self) -> float:
         return min((b for b in self.bandwidth if b is not None), default=MAX_BANDWIDTH)
 
-    def observe_links(self, interval: Interval, warm: bool, shards: int, ewma: float) -> bool:
+    def observe_links(
+        self, interval: Interval, warm: bool, shards: int, ewma: float, steps_per_decision: int = 1
+    ) -> bool:
         """The interval's re-probe and packet arrivals into the bandwidth estimates; returns
         whether the links should be re-probed at the next decision.
 
@@ -283,12 +304,20 @@ class Estimates:
         lateness and the round trip, so packets never lower an estimate, which would ask for
         more compression, smaller packets and a slower-looking link still. They raise it only
         when one shard owner's packets came faster than the whole link was thought to carry (a
-        region's owners share the link: `shards` of them send at once)."""
+        region's owners share the link: `shards` of them send at once).
+
+        A re-probe that reads a link well under its estimate is repeated at the next decision
+        before it lowers it (`fall`), and re-probes otherwise keep to REPROBE_SHARE of the run's
+        time (`steps_per_decision`: the steps from one decision to the next)."""
         self.since_probe += 1
+        if interval.step_s is not None:
+            self.step_s = smoothed(interval.step_s, self.step_s, ewma)
         if interval.probed is not None:
             # the interval's packets came before the probe: they say nothing beside it
-            self._reprobed(interval.probed, shards)
+            self._reprobed(interval.probed, shards, interval.probe_s)
             return False
+        if any(f is not None for f in self.fall):
+            return True  # a fall seen once: the next re-probe confirms it or not
         suspect = False
         for region in range(len(self.bandwidth)):
             samples = interval.arrivals[region] if warm else []
@@ -305,20 +334,39 @@ class Estimates:
                 self.packet_rate[region], self.packet_bytes[region] = measured, largest
             elif measured < SUSPECT * baseline:
                 suspect = True
-        early = suspect and self.since_probe >= STALE_DECISIONS
-        return early or self.since_probe >= self.probe_every
+        affordable = self.affordable(steps_per_decision)
+        early = suspect and self.since_probe >= max(STALE_DECISIONS, affordable)
+        return early or self.since_probe >= max(self.probe_every, affordable)
 
-    def _reprobed(self, probed: list[list[float]], shards: int) -> None:
-        """The re-probe (bandwidth from region to region, by region) sets every
-        estimate; the next re-probe comes twice as late if it agreed with all of them."""
+    def affordable(self, steps_per_decision: int) -> int:
+        """The fewest decisions from the last re-probe to the next that keep re-probes to
+        REPROBE_SHARE of the run's time."""
+        if not self.probe_s or not self.step_s:
+            return 0
+        return math.ceil(self.probe_s / (REPROBE_SHARE * self.step_s * steps_per_decision))
+
+    def _reprobed(self, probed: list[list[float]], shards: int, seconds: float) -> None:
+        """The re-probe (bandwidth from region to region, by region) sets every estimate but one
+        it reads well under the estimate (by more than AGREES) for the first time: that reading
+        waits in `fall` for the next re-probe, and the better of the two then sets it (a link
+        that fell reads low twice). The next re-probe comes twice as late if this one agreed
+        with every estimate."""
         agreed = True
+        if len(self.fall) != len(self.bandwidth):
+            self.fall = [None] * len(self.bandwidth)
         for r in range(len(self.bandwidth)):
             slowest = min(probed[r][q] for q in range(len(probed)) if q != r)
             new, old = min(max(slowest / shards, MIN_BANDWIDTH), MAX_BANDWIDTH), self.bandwidth[r]
             agreed = agreed and old is not None and abs(new / old - 1) <= AGREES
+            if self.fall[r] is not None:  # the second reading of a fall
+                new, self.fall[r] = max(new, self.fall[r]), None
+            elif old is not None and new < (1 - AGREES) * old:
+                self.fall[r] = new
+                continue
             self.bandwidth[r] = new
         self.since_probe, self.packet_rate = 0, [None] * len(self.bandwidth)
         self.packet_bytes = [0] * len(self.bandwidth)
+        self.probe_s = seconds
         self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY) if agreed else STALE_DECISIONS
 
     def observe_stages(self, stages: dict[str, float], ewma: float) -> None:
@@ -396,6 +444,9 @@ class Estimates:
             "probe_every": self.probe_every,
             "packet_rate": list(self.packet_rate),
             "packet_bytes": list(self.packet_bytes),
+            "fall": list(self.fall),
+            "probe_s": self.probe_s,
+            "step_s": self.step_s,
             "zstd_gains": [
                 [r, rung, *dataclasses.astuple(g)] for (r, rung), g in self.zstd_gains.items()
             ],
@@ -421,6 +472,9 @@ class Estimates:
             int(state.get("probe_every", PROBE_EVERY)),
             list(state.get("packet_rate", [None] * regions)),
             list(state.get("packet_bytes", [0] * regions)),
+            list(state.get("fall", [None] * regions)),
+            float(state.get("probe_s", 0.0)),
+            state.get("step_s"),
             {
                 (int(r), int(rung)): ZstdGain(ratio, encode, decode)
                 for r, rung, ratio, encode, decode in state.get("zstd_gains", [])

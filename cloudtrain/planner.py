@@ -179,7 +179,7 @@ class Planner:
         est.compute_s = interval.compute_s or est.compute_s or 1.0
         if warm:  # (the first steps' compute is slow to warm up: not the ranks' throughput)
             est.observe_throughput(interval, opts.ewma)
-        reprobe = est.observe_links(interval, warm, self.topo.shards, opts.ewma)
+        reprobe = est.observe_links(interval, warm, self.topo.shards, opts.ewma, opts.interval)
         stages = interval.stages if warm else {}
         est.observe_stages(stages, opts.ewma)
         model = self._cost_model(est, stages, shard_numels, ran[0])

@@ -5,11 +5,14 @@ the estimates round-trip through their state."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from cloudtrain.estimates import (
     MAX_PROBE_EVERY,
     PROBE_EVERY,
+    REPROBE_SHARE,
     STALE_DECISIONS,
     Estimates,
     Interval,
@@ -21,9 +24,10 @@ from cloudtrain.probe import LinkMatrix
 MBIT = 1e6 / 8
 
 
-def interval(arrivals=((), ()), probed=None) -> Interval:
+def interval(arrivals=((), ()), probed=None, step_s=0.1, probe_s=0.0) -> Interval:
     quality = [QualitySums(), QualitySums()]
-    return Interval(0.05, 0.1, [list(a) for a in arrivals], {}, [[], []], quality, probed)
+    arrivals = [list(a) for a in arrivals]
+    return Interval(0.05, step_s, arrivals, {}, [[], []], quality, probed, None, probe_s)
 
 
 def started() -> Estimates:
@@ -67,8 +71,13 @@ def test_only_a_probe_lowers_an_estimate_and_one_owners_packets_beyond_the_link_
     est = started()
     probed = [[0.0, 40 * MBIT], [60 * MBIT, 0.0]]  # region 0 -> 1 at 40, 1 -> 0 at 60
     est.observe_links(interval(probed=probed), True, 2, 0.5)  # two shard owners share a link
+    # a fall is confirmed by the next re-probe, at the next decision, before it lowers anything
+    assert est.bandwidth == [100 * MBIT, 100 * MBIT]
+    assert est.fall == [pytest.approx(20 * MBIT), pytest.approx(30 * MBIT)]
+    assert est.observe_links(interval(), True, 2, 0.5) is True
+    est.observe_links(interval(probed=probed), True, 2, 0.5)
     assert est.bandwidth == [pytest.approx(20 * MBIT), pytest.approx(30 * MBIT)]
-    assert est.since_probe == 0
+    assert est.since_probe == 0 and est.fall == [None, None]
     # 40 Mbit/s per owner: what the link carries when the owners take turns - no rise
     turns = [(4_000_000, 0.08 + 4_000_000 / (40 * MBIT))] * 2
     est.observe_links(interval((turns, ())), True, 2, 0.5)
@@ -91,12 +100,41 @@ def test_reprobes_come_later_while_they_agree_and_sooner_once_one_does_not():
     moved = [[0.0, 50 * MBIT], [95 * MBIT, 0.0]]  # region 0's link halved
     agreeing = [[0.0, 55 * MBIT], [90 * MBIT, 0.0]]  # within 25 % of the estimates since
     waits = [wait()]
-    for probed in (moved, agreeing, agreeing, agreeing, agreeing):
+    for probed in (moved, moved, agreeing, agreeing, agreeing, agreeing):
         est.observe_links(interval(probed=probed), True, 1, 0.5)
         waits.append(wait())
-    assert waits == [PROBE_EVERY, STALE_DECISIONS, 2 * STALE_DECISIONS, 4 * STALE_DECISIONS,
+    # the fall confirmed at once, then a re-probe soon after it moved the estimate
+    assert waits == [PROBE_EVERY, 1, STALE_DECISIONS, 2 * STALE_DECISIONS, 4 * STALE_DECISIONS,
                      MAX_PROBE_EVERY, MAX_PROBE_EVERY]  # fmt: skip
     assert est.bandwidth == [pytest.approx(55 * MBIT), pytest.approx(90 * MBIT)]
+
+
+def test_a_low_reading_that_the_next_reprobe_does_not_confirm_lowers_nothing():
+    est = started()
+    est.observe_links(interval(probed=[[0.0, 30 * MBIT], [95 * MBIT, 0.0]]), True, 1, 0.5)
+    assert est.bandwidth == [100 * MBIT, pytest.approx(95 * MBIT)]  # region 1 agreed: set
+    assert est.observe_links(interval(), True, 1, 0.5) is True
+    est.observe_links(interval(probed=[[0.0, 97 * MBIT], [96 * MBIT, 0.0]]), True, 1, 0.5)
+    assert est.bandwidth == [pytest.approx(97 * MBIT), pytest.approx(96 * MBIT)]
+    assert est.fall == [None, None]
+
+
+def test_reprobes_keep_to_their_share_of_the_run():
+    est = started()
+    # a re-probe that held every rank 6 s, 0.44 s steps, a decision every 5 steps: the next
+    # comes after 6 / (0.02 * 0.44 * 5) = 137 decisions, packets that slowed or not
+    agreeing = [[0.0, 100 * MBIT], [100 * MBIT, 0.0]]
+    est.observe_links(interval(probed=agreeing, step_s=0.44, probe_s=6.0), True, 1, 0.5, 5)
+    affordable = math.ceil(6.0 / (REPROBE_SHARE * 0.44 * 5))
+    assert affordable == 137 > est.probe_every
+    est.observe_links(
+        interval(((big := [(4_000_000, 0.5)] * 3), big), step_s=0.44), True, 1, 0.5, 5
+    )
+    slow = [(4_000_000, 3.0)] * 3  # a sixth of the baseline's rate
+    for decision in range(2, affordable):
+        asked = est.observe_links(interval((slow, slow), step_s=0.44), True, 1, 0.5, 5)
+        assert asked is False, decision
+    assert est.observe_links(interval((slow, slow), step_s=0.44), True, 1, 0.5, 5) is True
 
 
 def test_the_probe_is_read_from_rank_0():

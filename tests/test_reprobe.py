@@ -1,7 +1,8 @@
 """The controller's re-probe on the real emulated WAN: a link that falls while "auto" trains is
 found by the next re-probe, which measures it with nothing else on the link (the exchanges in
-flight finished, every rank waiting) - not what training leaves of it. Packets alone cannot
-lower an estimate (cloudtrain.estimates), so the estimate after the fall is the re-probe's."""
+flight finished, every rank waiting) - not what training leaves of it - and confirmed by the one
+at the decision after it. Packets alone cannot lower an estimate (cloudtrain.estimates), so the
+estimate after the fall is the re-probes'."""
 
 from __future__ import annotations
 
@@ -45,10 +46,11 @@ sys.stdin.readline()  # the link falls now
 probed = ddp.stats().controller["probed"]["decisions_ago"]
 for i in range(5, 400):
     step(i)
-    now = ddp.stats().controller["probed"]["decisions_ago"]
-    if now < probed:  # a decision that carried a re-probe took effect
+    seen = ddp.stats().controller["probed"]
+    # a decision that carried a re-probe took effect, and no fall waits for a second reading
+    if seen["decisions_ago"] < probed and not seen["unconfirmed_fall"]:
         break
-    probed = now
+    probed = seen["decisions_ago"]
 # the cost model's pick for the links as the controller believes them (whole links, given as
 # a user would measure them) is its pick on its own estimates (one shard owner's share each)
 ctl, numels = ddp.comm.controller, ddp.comm.shard_numels()
