@@ -15,10 +15,7 @@ rank 0's parameters and buffers reach every rank (DDP's init_sync), across each 
 once (Topology.broadcast_from_rank0).
 """
 
-import importlib
 import logging
-import sys
-import threading
 from typing import Any
 
 import torch
@@ -57,24 +54,6 @@ def _check_dense(module: torch.nn.Module) -> None:
                 f"CloudDDP: parameter {name!r} gets sparse gradients ({type(sub).__name__} with "
                 "sparse=True); CloudDDP reduces dense gradients - make it sparse=False"
             )
-
-
-def _import_beside_waits(config: CompressionConfig) -> threading.Thread | None:
-    """DDP's construction imports torch._dynamo: seconds of CPU (5 s with four ranks on two
-    cores). The checks and process groups before it wait on round trips to the store (2-3 s a
-    group across regions at 180 ms), in calls that release the GIL, so the import runs on a
-    thread beside them; the caller joins it before DDP's construction. Not while the probe
-    clusters ranks into regions (regions="probe"), whose timings a busy GIL would blur."""
-    if "torch._dynamo.utils" in sys.modules or config.regions == "probe":
-        return None
-    # a failed import leaves nothing in sys.modules: DDP's own import then raises it
-    thread = threading.Thread(
-        target=lambda: importlib.import_module("torch._dynamo.utils"),
-        name="cloudtrain-import",
-        daemon=True,
-    )
-    thread.start()
-    return thread
 
 
 def _identity(module: torch.nn.Module, config: CompressionConfig) -> dict[str, Any]:
@@ -156,11 +135,8 @@ class CloudDDP(DistributedDataParallel):
         if "process_group" in ddp_kwargs:
             raise ValueError("CloudDDP makes its own process groups; do not pass process_group")
         _check_dense(module)
-        importing = _import_beside_waits(config)
         check_agreement(module, config)
         topo = Topology.discover(config, config.timeout)
-        if importing is not None:
-            importing.join()
         init_sync = ddp_kwargs.pop("init_sync", True)
         # across regions rank 0's parameters and buffers cross each link once, not once a rank
         super().__init__(module, init_sync=init_sync and topo.single_region, **ddp_kwargs)
