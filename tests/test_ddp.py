@@ -352,7 +352,11 @@ from cloudtrain.tools import netem
 cloudtrain.init(timeout_s=120)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
-cloud = cloudtrain.CloudDDP(model, CompressionConfig(controller={"interval": 2}, timeout_s=120))
+# staleness 1: the step's own exchange crosses during the next step, so the step ends soon after
+# its decision starts (with the exchange waited for in the step, a loaded machine saw the
+# decision land before the step ended)
+config = CompressionConfig(controller={"interval": 2}, staleness=1, timeout_s=120)
+cloud = cloudtrain.CloudDDP(model, config)
 controller, rank = cloud.comm.controller, torch.distributed.get_rank()
 last = None
 for step in range(60):
@@ -365,7 +369,8 @@ for step in range(60):
     last = controller._pending
 in_flight = not controller._pending.done()
 cloud.close()
-print(json.dumps({"step": step, "in_flight": in_flight, "settled": controller._pending.done()}))
+print(json.dumps({"step": step, "in_flight": in_flight, "settled": controller._pending.done(),
+                  "staleness": cloud.comm.plan.staleness}))
 torch.distributed.destroy_process_group()
 """
 

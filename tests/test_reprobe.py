@@ -58,8 +58,8 @@ believed = {n: (l["bandwidth_mbit"] * l["senders"], l["rtt_ms"]) for n, l in ctl
 own = [ctl.options.ladder[r] for r in ctl.planner.rungs_for(ctl.estimates, numels, ctl.guard)]
 same = list(ctl.plan_for_links(believed, numels).values()) == [describe(r) for r in own]
 print(json.dumps({"step": i, "same_pick": same, **ddp.stats().controller}), flush=True)
-ddp.comm.settle()
-torch.distributed.barrier()
+ddp.close()
+torch.distributed.destroy_process_group()  # as README's scripts end (a live gloo group can abort at exit)
 """
 
 

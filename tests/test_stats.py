@@ -48,7 +48,9 @@ print(json.dumps({
     "plain_compressed_steps": s_plain.compressed_steps,
     "packed_compressed_steps": s_packed.compressed_steps, "steps": s_packed.steps,
 }), flush=True)
-torch.distributed.barrier()
+for m in (plain, packed, zipped):
+    m.close()
+torch.distributed.destroy_process_group()  # as README's scripts end (a live gloo group can abort at exit)
 """
 
 

@@ -258,7 +258,8 @@ def _predict(
     the measured compute step, the row's own measured dense in-region costs and the scenario's
     links; None where the model has no such mode (PowerSGD, the loopback rows). "auto" is
     predicted for each plan it ran, weighted by the counted steps each was in force (zstd's
-    gains left out: the planner predicts none).
+    gains left out: the planner predicts none; so is the wire's framing - headers,
+    acknowledgements, gloo's preamble, about 0.8 KB a packet - which the emulator counts).
 
     The outer loop's inner step is DDP's inside a region: its base is DDP's unshaped step (the
     all-reduce overlapping backward as DDP overlaps it) where the bench ran it. Its syncs are
@@ -301,8 +302,8 @@ def _predict(
 
 
 def _spans(starts: list[int], steps: int, warmup: int) -> list[int]:
-    """How many of the counted steps (warm-up to the end) each plan was in force, for plans
-    decided at `starts` (the first also stands for the steps before it)."""
+    """How many of the counted steps (warm-up to the end) each plan was in force, for plans in
+    force from `starts` (the first also stands for the steps before it)."""
     ends = [*starts[1:], steps]
     return [
         max(min(end, steps) - max(start if i else warmup, warmup), 0)
@@ -464,10 +465,12 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup >= args.steps:
         raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
     if args.scenario == "drop" and not args.warmup < args.drop_at <= args.steps - 5:
+        later = args.drop_at if args.drop_at > args.warmup else args.warmup + 1
+        hint = "" if later == args.drop_at else f"--drop-at {later} "
         raise SystemExit(
             f"--scenario drop: --drop-at {args.drop_at} must be after --warmup {args.warmup} and "
             f"at least 5 steps before --steps {args.steps} (the recovery is timed over 5-step "
-            f"windows after it): e.g. --steps {max(args.steps, args.drop_at + 40)}"
+            f"windows after it): e.g. {hint}--steps {max(args.steps, later + 40)}"
         )
     tool = quality if args.quality else estimates if args.estimates else None
     report = tool.drive(args) if tool is not None else drive(args)

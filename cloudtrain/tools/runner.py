@@ -106,7 +106,7 @@ def _train(args: argparse.Namespace, ddp: Any, trainer: Any, rank: int, world: i
         ends.append(time.time())
         trained += took
         if rank == 0:
-            line = {"step": step + 1, "ms": 1000 * took}
+            line = {"step": step + 1, "ms": 1000 * took, "done": done}
             if (step + 1) % args.eval_every == 0 or done:
                 quality = trainer.evaluate(trainer.model)
                 curve.append((trained, quality))
@@ -148,7 +148,11 @@ def _result(args: argparse.Namespace, ddp: Any, trainer: Any, step_times, curve,
                 result["true_link_plan"] = comm.controller.plan_for_links(true, comm.shard_numels())
             history, ladder = comm.controller.history, comm.controller.options.ladder
             result["plans"] = [(h["step"], h["levels"]) for h in history]
-            result["plan_history"] = [(h["step"], [ladder[r] for r in h["rungs"]]) for h in history]
+            # the plans in force and the steps they took effect at (a decision gathered at one
+            # due step takes effect at the next), from the start-up plan on
+            first = [(0, [ladder[r] for r in comm.controller.first_rungs])]
+            applied = [(h["applied"], [ladder[r] for r in h["rungs"]]) for h in history]
+            result["plan_history"] = first + applied
             result["decisions"] = [h["text"] for h in history]
             result["staleness"] = sorted({h["staleness"] for h in history} | {comm.plan.staleness})
         else:
@@ -308,7 +312,7 @@ def run_method(
     drop: Any = None,
 ) -> Run:
     procs = _launch(method, args, wan, regions)
-    result, before = None, None
+    result, before, after = None, None, None
     for line in procs[0].stdout:
         if line.startswith("RESULT "):
             result = json.loads(line[7:])
@@ -320,6 +324,8 @@ def run_method(
         progress.update(1)
         if wan is not None and info.get("step") == args.warmup:
             before = wan.counters()  # steady state only: not the start-up broadcasts
+        if wan is not None and info.get("done"):
+            after = wan.counters()  # the last step's, not the teardown's (closing connections)
         if drop is not None and info.get("step") == args.drop_at:
             drop()
     codes = [p.wait(timeout=600) for p in procs]
@@ -329,7 +335,7 @@ def run_method(
         )
     wan_bytes = None
     if wan is not None and method not in LOOPBACK and before is not None:
-        after = wan.counters()
+        after = after or wan.counters()
         wan_bytes = sum(after[r]["tx_bytes"] - before[r]["tx_bytes"] for r in after)
     times = result["step_times"][args.warmup :]
     return Run(
