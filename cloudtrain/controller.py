@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .config import CompressionConfig, ControllerOptions
+from .costs import MAX_BANDWIDTH, MIN_BANDWIDTH
 from .estimates import (
     BURST_BYTES,
     Estimates,
@@ -89,6 +91,7 @@ class Controller:
         if topo.links is not None:
             seeded = self.planner.seed(self.estimates, self.guard, shard_numels)
             self.rungs, self.streak, self.staleness = seeded
+        self.first_rungs = tuple(self.rungs)  # the plan in force until the first decision lands
 
     def _calibrate(self, shard_numels: Sequence[int], device: Any = "cpu") -> list[float]:
         """CPU seconds per shard element of each rung (estimates.time_rungs), timed on rank 0 and
@@ -168,7 +171,7 @@ class Controller:
             took = time.perf_counter() - t0
             now = Current(
                 self.rungs, self.streak, self.staleness, self.estimates, self.guard, shard_numels,
-                None if self.shares is None else self.shares.latest,
+                None if self.shares is None else self.shares.latest, self.interval,
             )  # fmt: skip
             decision[0] = self.planner.decide(step, now, gathered, ran, took)
         dist.broadcast_object_list(decision, src=0, group=self.own.group("control"))
@@ -202,7 +205,7 @@ class Controller:
         self.estimates = Estimates.from_state(decision.estimates)
         if decision.guard is not None:
             self.guard = QualityGuard.from_state(decision.guard)
-        self.history.append(decision.record)
+        self.history.append({**decision.record, "applied": step})  # in force from `step`
         shared = (
             self.shares is not None
             and decision.shares is not None
@@ -298,7 +301,7 @@ class Controller:
             # decisions since the links were last probed, and between re-probes now
             "probed": {
                 "decisions_ago": est.since_probe,
-                "every": max(est.probe_every, est.affordable(self.options.interval)),
+                "every": max(est.probe_every, est.affordable(self.interval)),
                 # a re-probe's low reading waiting for the next re-probe to confirm it
                 "unconfirmed_fall": {
                     name: 8 * f / 1e6 for name, f in zip(names, est.fall, strict=True) if f is not None
@@ -327,8 +330,20 @@ class Controller:
         missing = [name for name in self.topo.regions if name not in links]
         if missing:
             raise ValueError(f"plan_for_links: no link given for region(s) {missing}")
+        bad = {
+            n: links[n] for n in self.topo.regions
+            if not (math.isfinite(links[n][0]) and links[n][0] > 0)
+            or not (math.isfinite(links[n][1]) and links[n][1] >= 0)
+        }  # fmt: skip
+        if bad:
+            raise ValueError(
+                f"plan_for_links: links {bad} are not (Mbit/s > 0, round trip in ms >= 0)"
+            )
         est = self.estimates.copy()
-        est.bandwidth = [links[n][0] * 1e6 / 8 / self.topo.shards for n in self.topo.regions]
+        est.bandwidth = [
+            min(max(links[n][0] * 1e6 / 8 / self.topo.shards, MIN_BANDWIDTH), MAX_BANDWIDTH)
+            for n in self.topo.regions
+        ]
         est.rtt = [links[n][1] / 1000 for n in self.topo.regions]
         rungs = self.planner.rungs_for(est, shard_numels, self.guard)
         ladder = self.options.ladder

@@ -13,13 +13,13 @@ exchanges in flight first, and every rank takes part): a re-probe that agrees wi
 doubles the wait for the next one (from PROBE_EVERY decisions up to MAX_PROBE_EVERY), one that
 moves it starts again from STALE_DECISIONS, and none comes sooner than keeps re-probes to
 REPROBE_SHARE of the run's time. A re-probe that reads a link well under its estimate is repeated
-at the next decision, and the better of the two readings sets it, so that one transfer that read
-low lowers nothing (on the emulated links at 80 ms, one probe reads 0.64-1.12x of one TCP flow from
-one run to the next). Between re-probes each shard owner times every packet it receives: packets
-never lower an estimate (their time is their sender's lateness as much as the link's), and raise it
-only when one owner's packets alone came faster than the whole link was thought to carry; packets
-that arrive much slower than packets of their size did after the last re-probe ask for the next one
-early.
+(asked for at the next decision, it runs at the one after), and the better of the two readings
+sets it, so that one transfer that read low lowers nothing (on the emulated links at 80 ms, one
+probe reads 0.64-1.12x of one TCP flow from one run to the next). Between re-probes each shard
+owner times every packet it receives: packets never lower an estimate (their time is their
+sender's lateness as much as the link's), and raise it only when one owner's packets alone came
+faster than the whole link was thought to carry; packets that arrive much slower than packets of
+their size did after the last re-probe ask for the next one early.
 Rank 0 updates the estimates at each decision, and every rank gets them with the decision, so
 all ranks hold the same.
 """
@@ -275,12 +275,21 @@ class Estimates:
     throughput: list[float | None] = field(default_factory=list)
     """By rank: samples per second of its own compute (communication excluded), smoothed."""
 
+    def __post_init__(self) -> None:
+        regions = len(self.bandwidth)  # the per-region lists, one entry per region
+        self.packet_rate = list(self.packet_rate) or [None] * regions
+        self.packet_bytes = list(self.packet_bytes) or [0] * regions
+        self.fall = list(self.fall) or [None] * regions
+        for name in ("rtt", "packet_rate", "packet_bytes", "fall"):
+            if len(getattr(self, name)) != regions:
+                raise ValueError(
+                    f"Estimates.{name} has {len(getattr(self, name))} entries for {regions} "
+                    "regions: give one per region (Estimates.start(regions) builds them)"
+                )
+
     @classmethod
     def start(cls, regions: int) -> Estimates:
-        return cls(
-            [None] * regions, [0.0] * regions, packet_rate=[None] * regions,
-            packet_bytes=[0] * regions, fall=[None] * regions,
-        )  # fmt: skip
+        return cls([None] * regions, [0.0] * regions)
 
     def links(self) -> list[LinkEstimate]:
         """The links for the cost model (an unknown bandwidth: as fast as a link can be)."""
@@ -306,9 +315,10 @@ class Estimates:
         when one shard owner's packets came faster than the whole link was thought to carry (a
         region's owners share the link: `shards` of them send at once).
 
-        A re-probe that reads a link well under its estimate is repeated at the next decision
-        before it lowers it (`fall`), and re-probes otherwise keep to REPROBE_SHARE of the run's
-        time (`steps_per_decision`: the steps from one decision to the next)."""
+        A re-probe that reads a link well under its estimate lowers it only once the next
+        re-probe (asked for at the next decision) reads it low too (`fall`); re-probes otherwise
+        keep to REPROBE_SHARE of the run's time (`steps_per_decision`: the steps from one
+        decision to the next)."""
         self.since_probe += 1
         if interval.step_s is not None:
             self.step_s = smoothed(interval.step_s, self.step_s, ewma)
@@ -351,23 +361,24 @@ class Estimates:
         waits in `fall` for the next re-probe, and the better of the two then sets it (a link
         that fell reads low twice). The next re-probe comes twice as late if this one agreed
         with every estimate."""
-        agreed = True
-        if len(self.fall) != len(self.bandwidth):
-            self.fall = [None] * len(self.bandwidth)
+        agreed, held = True, False
         for r in range(len(self.bandwidth)):
             slowest = min(probed[r][q] for q in range(len(probed)) if q != r)
             new, old = min(max(slowest / shards, MIN_BANDWIDTH), MAX_BANDWIDTH), self.bandwidth[r]
-            agreed = agreed and old is not None and abs(new / old - 1) <= AGREES
             if self.fall[r] is not None:  # the second reading of a fall
                 new, self.fall[r] = max(new, self.fall[r]), None
             elif old is not None and new < (1 - AGREES) * old:
-                self.fall[r] = new
+                self.fall[r], held = new, True
                 continue
+            agreed = agreed and old is not None and abs(new / old - 1) <= AGREES
             self.bandwidth[r] = new
         self.since_probe, self.packet_rate = 0, [None] * len(self.bandwidth)
         self.packet_bytes = [0] * len(self.bandwidth)
         self.probe_s = seconds
-        self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY) if agreed else STALE_DECISIONS
+        if not agreed:
+            self.probe_every = STALE_DECISIONS
+        elif not held:  # (a reading held in `fall` moved nothing: its confirmation judges it)
+            self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
 
     def observe_stages(self, stages: dict[str, float], ewma: float) -> None:
         """What the dense parts cost per step (rank 0's view), where the interval ran them. The

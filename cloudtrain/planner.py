@@ -47,6 +47,8 @@ class Current:
     shard_numels: Sequence[int]
     shares: Sequence[int] | None = None
     """The batch shares planned last (cloudtrain.shares), with a global batch."""
+    interval: int = 1
+    """The steps from one decision to the next, in force now (Decision.interval)."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,7 @@ class Planner:
         est.compute_s = interval.compute_s or est.compute_s or 1.0
         if warm:  # (the first steps' compute is slow to warm up: not the ranks' throughput)
             est.observe_throughput(interval, opts.ewma)
-        reprobe = est.observe_links(interval, warm, self.topo.shards, opts.ewma, opts.interval)
+        reprobe = est.observe_links(interval, warm, self.topo.shards, opts.ewma, now.interval)
         stages = interval.stages if warm else {}
         est.observe_stages(stages, opts.ewma)
         model = self._cost_model(est, stages, shard_numels, ran[0])

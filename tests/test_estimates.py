@@ -59,12 +59,15 @@ def test_smaller_packets_after_a_plan_change_set_a_new_baseline_and_ask_for_no_p
     big = [(4_000_000, 0.08 + 4_000_000 / (80 * MBIT))] * 3
     small = [(2_000_000, 0.08 + 2_000_000 / (40 * MBIT))] * 3
     assert est.observe_links(interval((big, big)), True, 1, 0.5) is False
-    for decision in range(2, 4 * STALE_DECISIONS):
+    for decision in range(2, 2 * STALE_DECISIONS):
         assert est.observe_links(interval((small, small)), True, 1, 0.5) is False, decision
     assert est.packet_bytes == [2_000_000] * 2 and est.packet_rate == [pytest.approx(40 * MBIT)] * 2
-    # the 2 MB packets' own rate halving is a drop
+    # past STALE_DECISIONS and short of PROBE_EVERY: the 2 MB packets at their own rate ask for
+    # nothing, and the same packets at half it are a drop
+    assert est.copy().observe_links(interval((small, small)), True, 1, 0.5) is False
     slower = [(2_000_000, 0.08 + 2_000_000 / (20 * MBIT))] * 3
     assert est.observe_links(interval((slower, slower)), True, 1, 0.5) is True
+    assert est.since_probe < PROBE_EVERY
 
 
 def test_only_a_probe_lowers_an_estimate_and_one_owners_packets_beyond_the_link_raise_it():
