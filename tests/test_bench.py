@@ -18,7 +18,8 @@ from support import EMULATOR_MACHINE, skip_or_fail
 from cloudtrain.config import LADDER
 from cloudtrain.plan import describe
 from cloudtrain.tools import netem
-from cloudtrain.tools.bench import _spans
+from cloudtrain.tools.bench import SCENARIOS, _predict, _spans
+from cloudtrain.tools.runner import Run
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -75,6 +76,24 @@ def test_auto_is_predicted_for_each_plan_by_the_counted_steps_it_was_in_force():
     assert _spans([12, 26, 42], 60, 5) == [21, 16, 18]
     assert _spans([0], 60, 5) == [55]
     assert _spans([3, 4, 70], 60, 5) == [0, 55, 0]  # in force from the warm-up; after the end
+
+
+def test_auto_is_predicted_as_each_plan_it_ran_by_the_counted_steps_in_force():
+    plain, quant = [["none", None]] * 2, [["quant", 4]] * 2
+    compute = Run("compute", 10.0, None, 0.9, [], None, [])
+
+    def predict(history):  # a 60-step run, 10 of warm-up, over the wan scenario's links
+        run = Run("cloud-auto", 100.0, 0, 0.9, [], None, [], {}, numel=1_000_000,
+                  plan_history=history)  # fmt: skip
+        return _predict(run, compute, None, SCENARIOS["wan"], "emulated", (60, 10))
+
+    (plain_ms, plain_mb), (quant_ms, quant_mb) = predict([(0, plain)]), predict([(0, quant)])
+    assert quant_mb == pytest.approx(plain_mb / 8, rel=0.05) and quant_ms < plain_ms
+    # plain for the first 10 counted steps, 4-bit from step 20 on: 40 steps
+    mixed_ms, mixed_mb = predict([(0, plain), (20, quant)])
+    assert mixed_mb == pytest.approx((10 * plain_mb + 40 * quant_mb) / 50)
+    assert mixed_ms == pytest.approx((10 * plain_ms + 40 * quant_ms) / 50)
+    assert predict([(0, plain), (70, quant)]) == pytest.approx((plain_ms, plain_mb))
 
 
 def test_a_drop_the_run_does_not_reach_is_refused_before_anything_runs():

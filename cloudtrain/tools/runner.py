@@ -234,7 +234,8 @@ class Run:
     links: dict | None = None
     """The controller's link estimates at the end, by region (stats().controller["links"])."""
     plan_history: list | None = None
-    """The controller's plans: (decision step, (codec, level) by region), oldest first."""
+    """The controller's plans: (the step it took effect at, (codec, level) by region), from the
+    start-up plan (step 0) on."""
     plan_by_region: dict | None = None
     """The controller's plan in force at the end, by region (stats().controller["plan"])."""
     true_link_plan: dict | None = None
