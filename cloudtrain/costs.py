@@ -101,13 +101,24 @@ def exchange_seconds(
 
 
 def plain_seconds(
-    nbytes: int, link: LinkEstimate, buckets: int, measured: float | None = None
+    nbytes: int,
+    link: LinkEstimate,
+    buckets: int,
+    measured: float | None = None,
+    ranks: int | None = None,
 ) -> float:
-    """A step's plain (ring) all-reduce of `nbytes` per sender: every byte crosses twice, a round
-    trip per bucket at least; `measured` (where the last interval ran it) replaces the model."""
+    """A step's plain (ring) all-reduce of `nbytes` per sender; `measured` (where the last
+    interval ran it) replaces the model. Over a ring of `ranks` whose every hop waits for a
+    crossing (regions in rank order: each of its 2 (ranks - 1) hops has one across a region
+    boundary), a sender puts 2 (ranks - 1) / ranks of the buffer on the link and each bucket
+    waits ranks - 1 round trips. Without `ranks` (the controller, before it has measured one),
+    the bound: every byte crosses twice, a round trip per bucket."""
     if measured is not None:
         return measured
-    return 2 * nbytes / link.bandwidth + buckets * link.rtt
+    if ranks is None:
+        return 2 * nbytes / link.bandwidth + buckets * link.rtt
+    hops = 2 * (ranks - 1)
+    return hops / ranks * nbytes / link.bandwidth + buckets * hops * link.rtt / 2
 
 
 @dataclass(frozen=True)

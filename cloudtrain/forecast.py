@@ -379,14 +379,15 @@ class Setting:
 def predict_ddp(s: Setting, nbytes_per_param: int) -> tuple[float, list[float]]:
     """(step seconds, bytes each region sends across per step) of a ring all-reduce over every
     rank: each region boundary carries 2 (n-1)/n of the gradients, and the step waits for the
-    slowest link (costs.plain_seconds: every byte crosses twice, a round trip per bucket)."""
+    slowest link and for n - 1 round trips a bucket (costs.plain_seconds over n ranks)."""
     grad = int(s.numel * nbytes_per_param)
     if len(s.links) == 1:
         return s.compute_s + s.intra_s * nbytes_per_param / 4, [0.0]
     slowest = min(s.links, key=lambda lk: lk.bandwidth)
     link = LinkEstimate(slowest.bandwidth * s.shards, slowest.rtt)
     crossing = 2 * (s.world - 1) / s.world * grad
-    return s.compute_s + plain_seconds(grad, link, s.buckets), [crossing] * len(s.links)
+    step = s.compute_s + plain_seconds(grad, link, s.buckets, ranks=s.world)
+    return step, [crossing] * len(s.links)
 
 
 def predict_rungs(s: Setting, rungs: Sequence[Rung]) -> tuple[float, list[float]]:
