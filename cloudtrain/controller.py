@@ -258,6 +258,7 @@ class Controller:
             "reprobe": self.reprobe,
             "pending": None if pending is None else pending.state_dict(),
             "history": list(self.history),
+            "first_rungs": list(self.first_rungs),
             "guard": None if self.guard is None else self.guard.state_dict(),
         }
 
@@ -276,6 +277,9 @@ class Controller:
             self._pending = concurrent.futures.Future()
             self._pending.set_result(Decision.from_state(state["pending"]))
         self.history = list(state["history"])
+        self.first_rungs = tuple(
+            state.get("first_rungs", self.first_rungs)
+        )  # (saved since 2026-12)
         if self.guard is not None and state.get("guard") is not None:
             self.guard = QualityGuard.from_state(state["guard"])
 

@@ -105,20 +105,27 @@ def plain_seconds(
     link: LinkEstimate,
     buckets: int,
     measured: float | None = None,
-    ranks: int | None = None,
+    ring: tuple[int, int] | None = None,
 ) -> float:
     """A step's plain (ring) all-reduce of `nbytes` per sender; `measured` (where the last
-    interval ran it) replaces the model. Over a ring of `ranks` whose every hop waits for a
-    crossing (regions in rank order: each of its 2 (ranks - 1) hops has one across a region
-    boundary), a sender puts 2 (ranks - 1) / ranks of the buffer on the link and each bucket
-    waits ranks - 1 round trips. Without `ranks` (the controller, before it has measured one),
-    the bound: every byte crosses twice, a round trip per bucket."""
+    interval ran it) replaces the model.
+
+    `ring`: (ranks, regions) of a ring whose regions are contiguous in rank order. A sender puts
+    2 (ranks - 1) / ranks of its buffer on the link. The ring's 2 (ranks - 1) steps each wait
+    for the message from the rank before, so a bucket's latency is the longest chain of hops
+    through them: 2 (ranks - 1) hops, regions / ranks of them across a region boundary (one-way
+    delays; hops inside a region count as none). Without `ring` (the controller, before it has
+    measured one), the bound: every byte crosses twice, a round trip per bucket."""
     if measured is not None:
         return measured
-    if ranks is None:
+    if ring is None:
         return 2 * nbytes / link.bandwidth + buckets * link.rtt
+    ranks, regions = ring
+    if ranks < 2 or not 1 <= regions <= ranks:
+        raise ValueError(f"plain_seconds: a ring of {ranks} ranks in {regions} regions")
     hops = 2 * (ranks - 1)
-    return hops / ranks * nbytes / link.bandwidth + buckets * hops * link.rtt / 2
+    crossings = math.ceil(hops * regions / ranks) if regions > 1 else 0
+    return hops / ranks * nbytes / link.bandwidth + buckets * crossings * link.rtt / 2
 
 
 @dataclass(frozen=True)

@@ -376,18 +376,23 @@ class Setting:
                          extra=extra, codecs=Codecs(CompressionConfig()))  # fmt: skip
 
 
-def predict_ddp(s: Setting, nbytes_per_param: int) -> tuple[float, list[float]]:
-    """(step seconds, bytes each region sends across per step) of a ring all-reduce over every
-    rank: each region boundary carries 2 (n-1)/n of the gradients, and the step waits for the
-    slowest link and for n - 1 round trips a bucket (costs.plain_seconds over n ranks)."""
+def predict_ddp(s: Setting, nbytes_per_param: int, hsdp: bool = False) -> tuple[float, list[float]]:
+    """(step seconds, bytes each region sends across per step) of DDP's ring all-reduce over
+    every rank (costs.plain_seconds over the world's ring: each region boundary carries 2 (n-1)/n
+    of the gradients), or with `hsdp` FSDP2 HSDP's: the reduction inside each region, then one
+    ring a shard across the regions (one rank each, every hop crossing) on the shared link. The
+    step waits for the slowest link."""
     grad = int(s.numel * nbytes_per_param)
+    intra = s.intra_s * nbytes_per_param / 4
     if len(s.links) == 1:
-        return s.compute_s + s.intra_s * nbytes_per_param / 4, [0.0]
+        return s.compute_s + intra, [0.0]
     slowest = min(s.links, key=lambda lk: lk.bandwidth)
-    link = LinkEstimate(slowest.bandwidth * s.shards, slowest.rtt)
-    crossing = 2 * (s.world - 1) / s.world * grad
-    step = s.compute_s + plain_seconds(grad, link, s.buckets, ranks=s.world)
-    return step, [crossing] * len(s.links)
+    link = LinkEstimate(slowest.bandwidth * s.shards, max(lk.rtt for lk in s.links))
+    regions = len(s.links)
+    ranks = regions if hsdp else s.world
+    crossing = 2 * (ranks - 1) / ranks * grad
+    exchange = plain_seconds(grad, link, s.buckets, ring=(ranks, regions))
+    return s.compute_s + (intra if hsdp else 0.0) + exchange, [crossing] * regions
 
 
 def predict_rungs(s: Setting, rungs: Sequence[Rung]) -> tuple[float, list[float]]:
@@ -486,7 +491,7 @@ class _Context:
         return per_param * self.workload.params / (self.shards if self.workload.shard else 1) / 1e9
 
     def ddp(self, nbytes_per_param: int) -> ModeForecast:
-        step, wan = predict_ddp(self.setting(), nbytes_per_param)
+        step, wan = predict_ddp(self.setting(), nbytes_per_param, hsdp=self.workload.shard)
         mode = "HSDP (FSDP2)" if self.workload.shard else "DDP"
         mode += "" if nbytes_per_param == 4 else " + fp16 hook"
         return self.row(mode, None, step, wan, self.memory_gb(0), "")

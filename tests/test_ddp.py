@@ -382,6 +382,7 @@ def test_close_lets_a_decision_in_flight_cross_before_the_groups_go():
     decision still crossing regions: close() waits for it, and every rank exits cleanly (without
     it, gloo aborted all four ranks in teardown)."""
     reports = run_over_wan("cl", CLOSE_WORKER, 29533, 200, rtt_ms=100)
+    assert all(r["staleness"] == 1 for r in reports), reports
     assert any(r["in_flight"] for r in reports), reports  # the case this is about happened
     assert len({r["step"] for r in reports}) == 1, reports
     assert all(r["settled"] for r in reports), reports

@@ -160,3 +160,24 @@ def test_estimates_round_trip_through_their_state():
     est = started()
     est.observe_links(interval((((4_000_000, 0.3),), ())), True, 1, 0.5)
     assert Estimates.from_state(est.state_dict()) == est
+
+
+def test_a_held_low_reading_leaves_the_wait_for_scheduled_reprobes_as_it_was():
+    est = started()
+    est.probe_every = MAX_PROBE_EVERY  # after re-probes that agreed
+    est.observe_links(interval(probed=[[0.0, 30 * MBIT], [98 * MBIT, 0.0]]), True, 1, 0.5)
+    assert est.fall[0] == pytest.approx(30 * MBIT) and est.probe_every == MAX_PROBE_EVERY
+    # confirmed: the link moved, so the next re-probe comes soon
+    est.observe_links(interval(probed=[[0.0, 32 * MBIT], [98 * MBIT, 0.0]]), True, 1, 0.5)
+    assert est.bandwidth[0] == pytest.approx(32 * MBIT) and est.probe_every == STALE_DECISIONS
+
+
+def test_estimates_hold_one_entry_per_region():
+    est = Estimates([None, None, None], [0.1, 0.1, 0.1])  # built directly, not by start()
+    assert est.fall == [None] * 3 and est.packet_bytes == [0] * 3 and est.packet_rate == [None] * 3
+    old = started().state_dict()
+    for key in ("fall", "packet_bytes", "packet_rate"):  # a state saved before they existed
+        del old[key]
+    assert Estimates.from_state(old).fall == [None, None]
+    with pytest.raises(ValueError, match="Estimates.rtt has 1 entries for 2 regions"):
+        Estimates([None, None], [0.1])

@@ -16,7 +16,17 @@ from hcl2.utils import SerializationOptions
 from support import plan_module_outputs
 
 from cloudtrain import CompressionConfig
-from cloudtrain.forecast import PRICES, Cluster, Link, Workload, forecast, load_prices
+from cloudtrain.costs import LinkEstimate
+from cloudtrain.forecast import (
+    PRICES,
+    Cluster,
+    Link,
+    Setting,
+    Workload,
+    forecast,
+    load_prices,
+    predict_ddp,
+)
 
 TWO = Cluster.parse("us-east-1=2xp5.48xlarge,eu-west-1=2xp5.48xlarge")
 US_EU = {("us-east-1", "eu-west-1"): Link(1000, 80), ("eu-west-1", "us-east-1"): Link(1000, 80)}
@@ -139,3 +149,23 @@ def test_emit_writes_a_config_cloudddp_loads_and_variables_terraform_accepts(tmp
         tmp_path / "tf", {k: variables[k] for k in ("cluster_name", "regions", "operator_cidrs")}
     )
     assert set(outputs["regions"]) == {"us-east-1", "eu-west-1"}
+
+
+def test_ddp_is_a_ring_over_every_rank_and_hsdp_one_over_the_regions():
+    # 2 regions x 2 ranks, 20 MB/s links (10 per shard owner), 80 ms; 4 MB of gradients
+    link = LinkEstimate(10e6, 0.08)
+    s = Setting(1_000_000, 4, (link, link), 2, 0.01, 0.002)
+    grad, trips = 4e6, s.buckets * 0.08
+    step, wan = predict_ddp(s, 4)
+    # each boundary carries 2 (n - 1) / n of the gradients; the ring's 6 steps wait for a chain
+    # of hops that crosses 3 times (1.5 round trips a bucket)
+    assert wan == [pytest.approx(1.5 * grad)] * 2
+    assert step == pytest.approx(0.01 + 1.5 * grad / 20e6 + 1.5 * trips)
+    # HSDP: reduced inside the region first, then a ring of the 2 regions: once, 1 round trip
+    step, wan = predict_ddp(s, 4, hsdp=True)
+    assert wan == [pytest.approx(grad)] * 2
+    assert step == pytest.approx(0.01 + 0.002 + grad / 20e6 + trips)
+    # 16 ranks: the chain through 30 steps crosses the two boundaries 4 times, not 15
+    many = dataclasses.replace(s, world=16, shards=8, links=(LinkEstimate(2.5e6, 0.08),) * 2)
+    step, wan = predict_ddp(many, 4)
+    assert step == pytest.approx(0.01 + 30 / 16 * grad / 20e6 + 2 * trips)

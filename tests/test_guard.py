@@ -218,7 +218,7 @@ print(json.dumps({
     "snapshot": ddp.stats().controller,
 }), flush=True)
 ddp.close(); again.close()
-torch.distributed.barrier()
+torch.distributed.destroy_process_group()  # as README's scripts end (a live gloo group can abort at exit)
 """
 
 

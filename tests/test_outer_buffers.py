@@ -77,7 +77,6 @@ def test_buffers_stay_in_the_region_between_syncs_at_50mbit_180ms() -> None:
     reports = run_over_wan("bf", SCRIPT.replace("STEPS", "45"), 29571, mbit=50, rtt_ms=180)
     for r in reports:
         assert r["equal"] and r["moved"] > 0, r
-        assert r["inner_s"] < 0.045, r  # far below the 90 ms one-way delay
-        print("inner step / the region alone's:", r["inner_s"] / r["region_alone_s"], r)
-    # no ratio of the two is asserted: both are 2-7 ms steps on a shared machine (measured 0.53-1.9
-    # of each other); what fails where a buffer broadcast crosses regions is the bound above
+        # far below the 90 ms one-way delay, and within 30 ms of the region alone's step (no
+        # ratio: both are 2-7 ms steps on a shared machine, measured 0.53-1.9x of each other)
+        assert r["inner_s"] < 0.045 and r["inner_s"] < r["region_alone_s"] + 0.03, r

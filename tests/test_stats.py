@@ -50,6 +50,9 @@ print(json.dumps({
 }), flush=True)
 for m in (plain, packed, zipped):
     m.close()
+torch.distributed.barrier()
+print("counted", flush=True)  # every rank's exchanges are done: the counters are read now
+sys.stdin.readline()
 torch.distributed.destroy_process_group()  # as README's scripts end (a live gloo group can abort at exit)
 """
 
@@ -78,12 +81,16 @@ def test_stats_agree_with_the_interface_counters():
             for p in procs:
                 p.stdin.write("go\n")
                 p.stdin.flush()
+            reports = [json.loads(p.stdout.readline()) for p in procs]
+            assert all(p.stdout.readline().strip() == "counted" for p in procs)
+            after = wan.counters()  # before any connection closes
+            for p in procs:
+                p.stdin.write("end\n")
+                p.stdin.flush()
             outs = [p.communicate(timeout=240)[0] for p in procs]
-            after = wan.counters()
             assert [p.returncode for p in procs] == [0, 0, 0, 0], outs
     finally:
         teardown(name)
-    reports = [json.loads(out.strip().splitlines()[-1]) for out in outs]
     assert all(r["plain_compressed_steps"] == 0 for r in reports)  # the plain path
     assert all(r["packed_compressed_steps"] == r["steps"] == 12 for r in reports)
     reported = sum(r["plain"] + r["packed"] + r["zipped"] for r in reports)

@@ -15,7 +15,8 @@ tbf-shaped links that also hold every frame for the round-trip time (netem, or t
 userspace delay line where the kernel lacks netem); without root they run on loopback, and the
 report says so. An emulator that fails to come up as root is an error, never a silent fall back
 to loopback. Bytes that crossed the WAN come from the interface counters of the shaped links,
-whatever the frameworks report. The report's network line says which emulation was applied
+whatever the frameworks report, from the end of the warm-up to when every rank's collectives are
+done (before any connection closes). The report's network line says which emulation was applied
 ("rate + delay (userspace delay line)", "rate + delay (netem)" or "rate only").
 
 Scenarios (SCENARIOS; --mbit and --rtt-ms override a scenario's rate and RTT):
@@ -386,7 +387,7 @@ def print_table(report: dict[str, Any]) -> None:
         if row.get("plans"):
             print(
                 f"  {row['label']} levels: "
-                + "; ".join(f"step {s}: {lv}" for s, lv in row["plans"][-4:])
+                + "; ".join(f"decided at step {s}: {lv}" for s, lv in row["plans"][-4:])
             )
     if "drop" in report:
         for method, info in report["drop"].items():

@@ -62,7 +62,7 @@ def _measure(args: argparse.Namespace, mbit: float, rtt_ms: float, progress: Any
         link = (run.links or {}).get(region, {})
         share = link.get("bandwidth_mbit")  # one shard owner's: the region's send at once
         estimate = None if share is None else share * link["senders"]
-        ratio = None if estimate is None else estimate / flow[region]
+        ratio = None if estimate is None or not flow[region] else estimate / flow[region]
         plan = (run.plan_by_region or {}).get(region)
         true_plan = (run.true_link_plan or {}).get(region)
         rows.append({

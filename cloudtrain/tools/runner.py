@@ -28,6 +28,9 @@ LOOPBACK = ("compute", "ddp-loopback")
 """Methods run on loopback, beside the emulated network: the floor and the baseline."""
 UNSHAPED_MBIT = 1e5
 """What "unshaped" puts on the region links: beyond anything two cores can send."""
+SETTLED = "CLOUDTRAIN_BENCH_SETTLED"
+"""Set for rank 0: it says SETTLED once every rank's collectives are done (the run's WAN bytes
+end there, before any connection closes) and waits for a line on stdin before the ranks exit."""
 
 
 def _wrap(method: str, model, world: int, opt=None, overrides: dict | None = None):
@@ -106,7 +109,7 @@ def _train(args: argparse.Namespace, ddp: Any, trainer: Any, rank: int, world: i
         ends.append(time.time())
         trained += took
         if rank == 0:
-            line = {"step": step + 1, "ms": 1000 * took, "done": done}
+            line = {"step": step + 1, "ms": 1000 * took}
             if (step + 1) % args.eval_every == 0 or done:
                 quality = trainer.evaluate(trainer.model)
                 curve.append((trained, quality))
@@ -145,13 +148,20 @@ def _result(args: argparse.Namespace, ddp: Any, trainer: Any, step_times, curve,
             result["plan_by_region"] = stats.controller["plan"]
             if args.true_link:  # the cost model's pick for the link as it is (estimates bench)
                 true = {name: tuple(link) for name, link in json.loads(args.true_link).items()}
-                result["true_link_plan"] = comm.controller.plan_for_links(true, comm.shard_numels())
+                try:
+                    plan = comm.controller.plan_for_links(true, comm.shard_numels())
+                except ValueError as e:  # a flow that carried nothing: no link to plan for
+                    print(f"cloudtrain bench: {e}", file=sys.stderr)
+                    plan = None
+                result["true_link_plan"] = plan
             history, ladder = comm.controller.history, comm.controller.options.ladder
             result["plans"] = [(h["step"], h["levels"]) for h in history]
             # the plans in force and the steps they took effect at (a decision gathered at one
             # due step takes effect at the next), from the start-up plan on
             first = [(0, [ladder[r] for r in comm.controller.first_rungs])]
-            applied = [(h["applied"], [ladder[r] for r in h["rungs"]]) for h in history]
+            applied = [
+                (h.get("applied", h["step"]), [ladder[r] for r in h["rungs"]]) for h in history
+            ]  # (a history resumed from before "applied" was recorded: its decision steps)
             result["plan_history"] = first + applied
             result["decisions"] = [h["text"] for h in history]
             result["staleness"] = sorted({h["staleness"] for h in history} | {comm.plan.staleness})
@@ -200,6 +210,10 @@ def worker(args: argparse.Namespace) -> int:
         if isinstance(ddp, cloudtrain.CloudDDP):
             ddp.close()  # its background collectives (a decision on its way) finish
         dist.barrier()  # every rank's last collective is done
+        if rank == 0 and os.environ.get(SETTLED) == "1":
+            print("SETTLED", flush=True)  # the driver reads the WAN counters now
+            sys.stdin.readline()  # ... and says when it has
+        dist.barrier()  # no rank closes a connection before then
         # Leave without tearing gloo down: now and then one rank of four was killed by SIGABRT
         # in process-group teardown at exit (plain DDP's PowerSGD run as well as CloudDDP's),
         # after its work was done. Nothing is left to flush but our own streams.
@@ -294,13 +308,14 @@ def _launch(
                "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
                "PYTHONFAULTHANDLER": "1"}  # fmt: skip
         out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
+        if rank == 0:
+            env[SETTLED] = "1"
+        pipes = {"stdout": out, "stdin": out, "text": True}
         if wan is None or method in LOOPBACK:
             full = {**os.environ, "MASTER_ADDR": "127.0.0.1", **env}
-            procs.append(
-                subprocess.Popen(worker_argv(method, args), env=full, stdout=out, text=True)
-            )
+            procs.append(subprocess.Popen(worker_argv(method, args), env=full, **pipes))
         else:
-            procs.append(wan.popen(rank, worker_argv(method, args), env=env, stdout=out, text=True))
+            procs.append(wan.popen(rank, worker_argv(method, args), env=env, **pipes))
     return procs
 
 
@@ -318,6 +333,11 @@ def run_method(
         if line.startswith("RESULT "):
             result = json.loads(line[7:])
             continue
+        if line.startswith("SETTLED"):  # every rank's collectives are done, no connection closed
+            after = wan.counters() if wan is not None else None
+            procs[0].stdin.write("read\n")
+            procs[0].stdin.flush()
+            continue
         try:
             info = json.loads(line)
         except json.JSONDecodeError:
@@ -325,8 +345,6 @@ def run_method(
         progress.update(1)
         if wan is not None and info.get("step") == args.warmup:
             before = wan.counters()  # steady state only: not the start-up broadcasts
-        if wan is not None and info.get("done"):
-            after = wan.counters()  # the last step's, not the teardown's (closing connections)
         if drop is not None and info.get("step") == args.drop_at:
             drop()
     codes = [p.wait(timeout=600) for p in procs]
@@ -336,7 +354,7 @@ def run_method(
         )
     wan_bytes = None
     if wan is not None and method not in LOOPBACK and before is not None:
-        after = after or wan.counters()
+        after = after or wan.counters()  # (a worker that never said SETTLED: after its exit)
         wan_bytes = sum(after[r]["tx_bytes"] - before[r]["tx_bytes"] for r in after)
     times = result["step_times"][args.warmup :]
     return Run(
