@@ -35,7 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .config import CompressionConfig, ControllerOptions
-from .costs import MAX_BANDWIDTH, MIN_BANDWIDTH
+from .costs import bandwidth_in_range
 from .estimates import (
     BURST_BYTES,
     Estimates,
@@ -277,9 +277,8 @@ class Controller:
             self._pending = concurrent.futures.Future()
             self._pending.set_result(Decision.from_state(state["pending"]))
         self.history = list(state["history"])
-        self.first_rungs = tuple(
-            state.get("first_rungs", self.first_rungs)
-        )  # (saved since 2026-12)
+        # (states saved before 2026-12 have no first_rungs: this process's start-up plan stands)
+        self.first_rungs = tuple(state.get("first_rungs", self.first_rungs))
         if self.guard is not None and state.get("guard") is not None:
             self.guard = QualityGuard.from_state(state["guard"])
 
@@ -345,8 +344,7 @@ class Controller:
             )
         est = self.estimates.copy()
         est.bandwidth = [
-            min(max(links[n][0] * 1e6 / 8 / self.topo.shards, MIN_BANDWIDTH), MAX_BANDWIDTH)
-            for n in self.topo.regions
+            bandwidth_in_range(links[n][0] * 1e6 / 8 / self.topo.shards) for n in self.topo.regions
         ]
         est.rtt = [links[n][1] / 1000 for n in self.topo.regions]
         rungs = self.planner.rungs_for(est, shard_numels, self.guard)

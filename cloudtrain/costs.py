@@ -45,6 +45,11 @@ MIN_BANDWIDTH = 1e3  # bytes/s: below 8 kbit/s a link is not a link
 MAX_BANDWIDTH = 1e12  # bytes/s: above 8 Tbit/s an estimate is not a measurement
 
 
+def bandwidth_in_range(bytes_per_s: float) -> float:
+    """A bandwidth (bytes/s) held to what a link can be: MIN_BANDWIDTH to MAX_BANDWIDTH."""
+    return min(max(bytes_per_s, MIN_BANDWIDTH), MAX_BANDWIDTH)
+
+
 @dataclass(frozen=True)
 class LinkEstimate:
     """What one sender region's link looks like: the one link type of the controller, the outer

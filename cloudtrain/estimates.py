@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .compress import ErrorFeedback, RandomKey, ZstdGain, from_wire, to_wire
-from .costs import MAX_BANDWIDTH, MIN_BANDWIDTH, LinkEstimate
+from .costs import MAX_BANDWIDTH, LinkEstimate, bandwidth_in_range
 from .guard import QualitySums
 from .plan import Codecs, Rung
 
@@ -94,7 +94,7 @@ def region_links(matrix: Any, members: Sequence[Sequence[int]], shards: int) -> 
         pairs = [(i, j) for i in mine for j in others]
         bandwidth = min(matrix.beta[i][j] for i, j in pairs) / shards
         rtt = min(min(matrix.alpha[i][j] for i, j in pairs), 60.0)
-        out.append(LinkEstimate(min(max(bandwidth, MIN_BANDWIDTH), MAX_BANDWIDTH), rtt))
+        out.append(LinkEstimate(bandwidth_in_range(bandwidth), rtt))
     return out
 
 
@@ -162,7 +162,7 @@ def passive_bandwidth(
     expected = sum(fastest) / current if current else math.inf
     if moving < significant or expected < significant:
         return None
-    measured = min(max(sum(fastest) / moving, MIN_BANDWIDTH), MAX_BANDWIDTH)
+    measured = bandwidth_in_range(sum(fastest) / moving)
     if current and measured > current and max(fastest) < burst:
         return None
     return measured
@@ -364,7 +364,7 @@ class Estimates:
         agreed, held = True, False
         for r in range(len(self.bandwidth)):
             slowest = min(probed[r][q] for q in range(len(probed)) if q != r)
-            new, old = min(max(slowest / shards, MIN_BANDWIDTH), MAX_BANDWIDTH), self.bandwidth[r]
+            new, old = bandwidth_in_range(slowest / shards), self.bandwidth[r]
             if self.fall[r] is not None:  # the second reading of a fall
                 new, self.fall[r] = max(new, self.fall[r]), None
             elif old is not None and new < (1 - AGREES) * old:
