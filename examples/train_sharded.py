@@ -56,7 +56,7 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     ap.add_argument("--sync-every", type=int, default=None, help="the outer loop's H")
-    ap.add_argument("--ckpt", default=None, help="a folder: save every 50 steps, resume")
+    ap.add_argument("--ckpt", default=None, help="a folder or s3://BUCKET-{region}/PREFIX: save every 50 steps, resume")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 

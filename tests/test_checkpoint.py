@@ -267,6 +267,33 @@ def test_corrupt_shard_is_never_loaded(store: Store, caplog) -> None:
         ckpt.load(step=2)
 
 
+def test_own_files_are_listed_fetched_and_checked(store: Store, tmp_path) -> None:
+    """save(files=) stores a rank's local files as they are; load() lists them and fetch()
+    copies one back only if it matches the manifest (ShardedCheckpointer's DCP files)."""
+    src = tmp_path / "shard.bin"
+    src.write_bytes(os.urandom(70_000))
+    ckpt = store.checkpointer()
+    ckpt.save(3, comm_state={"a": 1}, files={"region-0-__0_0.distcp": src})
+    state = ckpt.load()
+    (entry,) = state["files"]
+    assert (entry["name"], entry["size"]) == ("region-0-__0_0.distcp", 70_000)
+    ckpt.fetch(3, entry, tmp_path / "back.bin")
+    assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()
+    key = f"{step_dir(3)}/region-0-__0_0.distcp"
+    data = bytearray(store.get(key))
+    data[100] ^= 0xFF
+    store.put(key, bytes(data))
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        ckpt.fetch(3, entry, tmp_path / "bad.bin")
+    assert not (tmp_path / "bad.bin").exists()  # nothing half-checked is left for a reader
+    store.delete(key)
+    with pytest.raises(CheckpointError, match="is missing"):
+        ckpt.fetch(3, entry, tmp_path / "bad.bin")
+    for name in ("manifest.json", "model.pt", "rank-00001.pt", "a/b", ".hidden"):
+        with pytest.raises(CheckpointError, match="cannot be a file of the step's folder"):
+            ckpt.save(4, files={name: src})
+
+
 def test_truncated_shard_is_skipped(store: Store) -> None:
     ckpt = store.checkpointer()
     _save(ckpt, 1, seed=1)

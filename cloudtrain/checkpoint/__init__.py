@@ -63,7 +63,7 @@ The package: stores.py (S3Config, the local and S3 stores, open_store), manifest
 names, manifest.json, file contents), ranks.py (the collectives of one save or load),
 checkpointer.py (Checkpointer: the save and load protocols), errors.py; sharded.py
 (ShardedCheckpointer: a model sharded with cloudtrain.fully_shard, through
-torch.distributed.checkpoint, in local folders).
+torch.distributed.checkpoint, its files written and committed by the Checkpointer).
 """
 
 from __future__ import annotations

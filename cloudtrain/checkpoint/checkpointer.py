@@ -18,12 +18,14 @@ the ranks agree on it.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from ..bootstrap import timeout_seconds
-from .errors import CheckpointError
+from .errors import CheckpointError, IncompleteStep
 from .finder import Reader, StepFinder, not_found
 from .manifest import (
     DEFAULT_ZSTD_LEVEL,
@@ -35,6 +37,7 @@ from .manifest import (
     rank_file,
     serialize,
     sha256,
+    sha256_file,
     state_of,
     step_dir,
     steps_in,
@@ -43,6 +46,14 @@ from .ranks import Ranks, dist_or_none, rank_and_size
 from .stores import S3Config, open_store, resolve_root, uri_scheme, with_retries
 
 log = logging.getLogger(__name__)
+_OWN_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+_RANK_FILE = re.compile(r"^rank-\d+\.pt$")
+_RESERVED = {MANIFEST, MODEL_FILE, OPTIMIZER_FILE}
+
+
+def _is_own_file(name: str) -> bool:
+    """Whether a manifest's file is one a rank gave save() in `files` (not one it serialized)."""
+    return name not in _RESERVED and not _RANK_FILE.match(name)
 
 
 def check_layout(layout: list[tuple[str, str | None, bool, bool]]) -> None:
@@ -136,6 +147,7 @@ class Checkpointer:
         optimizer: Any = None,
         comm_state: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
+        files: Mapping[str, str | os.PathLike] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> str:
@@ -144,12 +156,23 @@ class Checkpointer:
         model / optimizer: replicated state (a module, a DDP wrapper, an optimizer or a state
         dict), given on every rank: the first rank of each store writes it there. comm_state: this
         rank's communication state (CloudDDP.comm_state_dict()). extra: this rank's other state
-        (RNG states, data position). rank / world_size default to torch.distributed's, else 0 / 1.
+        (RNG states, data position). files: this rank's own local files, {name in the step's
+        folder: path}, stored as they are (streamed, not compressed) and listed in the manifest
+        like the others; load() lists them and fetch() reads one back, verified (the sharded
+        checkpoints' DCP files). rank / world_size default to torch.distributed's, else 0 / 1.
         When this returns on any rank, the step is committed on all of them; a failure on any rank
         raises CheckpointError on every rank.
         """
         if step < 0:
             raise CheckpointError(f"step={step} must be >= 0")
+        files = dict(files or {})
+        for name in files:
+            if not _OWN_FILE.match(name) or name in _RESERVED or _RANK_FILE.match(name):
+                raise CheckpointError(
+                    f"files: {name!r} cannot be a file of the step's folder: use letters, digits, "
+                    f"'.', '_' and '-' (not first), not {MANIFEST}, {MODEL_FILE}, "
+                    f"{OPTIMIZER_FILE} or a rank file"
+                )
         rank, world_size = rank_and_size(rank, world_size)
         if world_size > 1 and dist_or_none() is None:
             raise CheckpointError(
@@ -166,7 +189,7 @@ class Checkpointer:
         leads_store = roots.index(self.uri) == rank  # the lowest rank writing to this root
         folder = step_dir(step)
         shard = {"comm_state": comm_state, "extra": extra}
-        outcome = self._write_shards(folder, rank, leads_store, model, optimizer, shard)
+        outcome = self._write_shards(folder, rank, leads_store, model, optimizer, shard, files)
         files = self._gather_written(ranks, step, outcome)
         manifest = None
         if rank == 0:
@@ -192,10 +215,11 @@ class Checkpointer:
         model: Any,
         optimizer: Any,
         shard: dict[str, Mapping[str, Any] | None],
+        files: dict[str, str | os.PathLike],
     ) -> tuple[list[dict[str, Any]], str | None]:
-        """Write this rank's shard (comm_state, extra) and, if it leads its store, the model and
-        optimizer. Returns their manifest entries and what failed as text, never raised: the
-        gather that follows reports it on every rank."""
+        """Write this rank's shard (comm_state, extra) and own `files` and, if it leads its
+        store, the model and optimizer. Returns their manifest entries and what failed as text,
+        never raised: the gather that follows reports it on every rank."""
         written: list[dict[str, Any]] = []
         try:
             if leads_store:
@@ -216,6 +240,10 @@ class Checkpointer:
                 written.append(
                     {"root": self.uri, "name": name, "size": len(data), "sha256": sha256(data)}
                 )
+            for name, path in files.items():
+                self._store.put_file(f"{folder}/{name}", path)
+                size, digest = os.path.getsize(path), sha256_file(path)
+                written.append({"root": self.uri, "name": name, "size": size, "sha256": digest})
         except Exception as e:
             log.exception("checkpoint: rank %d could not write %s", rank, self._store.where(folder))
             return written, f"rank {rank}: {type(e).__name__}: {e}"
@@ -229,6 +257,12 @@ class Checkpointer:
         nothing is committed before every shard is written. One rank's failure raises on all."""
         gathered = ranks.all_gather(outcome, "checkpoint gather of written files")
         errors = [err for _, err in gathered if err]
+        places: dict[tuple[str, str], int] = {}
+        for rank, (files, _) in enumerate(gathered):
+            for e in files:
+                other = places.setdefault((e["root"], e["name"]), rank)
+                if other != rank:
+                    errors.append(f"ranks {other} and {rank} both wrote {e['name']} to {e['root']}")
         if errors:
             raise CheckpointError(f"checkpoint step {step} was not committed: " + "; ".join(errors))
         return [entry for files, _ in gathered for entry in files]
@@ -367,4 +401,16 @@ class Checkpointer:
             "extra": shard["extra"],
             "world_size": manifest["world_size"],
             "path": self._store.where(folder),
+            "files": [e for e in manifest["files"] if _is_own_file(e["name"])],
         }
+
+    def fetch(self, step: int, entry: Mapping[str, Any], dest: str | os.PathLike) -> None:
+        """Copy one of the `files` that load() listed for `step` to the local path `dest`,
+        checked against the manifest's size and sha256 before anyone reads it; CheckpointError
+        (and no `dest`) if it is missing or does not match."""
+        try:
+            self._finder.fetch_verified(step, dict(entry), os.fspath(dest))
+        except IncompleteStep as why:
+            raise CheckpointError(
+                f"checkpoint step {step} is committed but {why}: load an older step (step=...)"
+            ) from None

@@ -21,11 +21,20 @@ each file once.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointError, CheckpointNotFoundError, IncompleteStep
-from .manifest import MANIFEST, files_to_read, parse_manifest, sha256, step_dir, steps_in
+from .manifest import (
+    MANIFEST,
+    files_to_read,
+    parse_manifest,
+    sha256,
+    sha256_file,
+    step_dir,
+    steps_in,
+)
 from .ranks import Ranks
 from .stores import S3Config, Store, open_store, with_retries
 
@@ -190,24 +199,43 @@ class StepFinder:
         cached = self._verified.pop((entry["root"], step, entry["name"], entry["sha256"]), None)
         if cached is not None:
             return cached
-        if entry["root"] not in self._stores:
-            self._stores[entry["root"]] = open_store(entry["root"], self.s3)
-        store = self._stores[entry["root"]]
-        key = f"{step_dir(step)}/{entry['name']}"
+        store, key = self._store_of(entry), f"{step_dir(step)}/{entry['name']}"
         try:
             data = store.get(key)
         except KeyError:
             raise IncompleteStep(f"{store.where(key)} is missing") from None
-        if len(data) != entry["size"]:
-            raise IncompleteStep(
-                f"{store.where(key)} is {len(data)} bytes, the manifest says {entry['size']}"
-            )
-        if sha256(data) != entry["sha256"]:
-            raise IncompleteStep(
-                f"{entry['name']} does not match its sha256 in the manifest (corrupt): "
-                f"{store.where(key)}"
-            )
+        _check(store.where(key), entry, len(data), sha256(data))
         return data
+
+    def fetch_verified(self, step: int, entry: dict[str, Any], dest: str) -> None:
+        """One file of `step` copied to the local path `dest` (streamed: it may not fit memory)
+        and checked against its size and sha256; IncompleteStep if it does not match, and then
+        `dest` is removed, never left for a reader."""
+        store, key = self._store_of(entry), f"{step_dir(step)}/{entry['name']}"
+        try:
+            store.get_file(key, dest)
+            _check(store.where(key), entry, os.path.getsize(dest), sha256_file(dest))
+        except KeyError:
+            raise IncompleteStep(f"{store.where(key)} is missing") from None
+        except BaseException:
+            if os.path.exists(dest):
+                os.remove(dest)
+            raise
+
+    def _store_of(self, entry: dict[str, Any]) -> Store:
+        if entry["root"] not in self._stores:
+            self._stores[entry["root"]] = open_store(entry["root"], self.s3)
+        return self._stores[entry["root"]]
+
+
+def _check(where: str, entry: dict[str, Any], size: int, digest: str) -> None:
+    """IncompleteStep unless a file's stored bytes are the manifest entry's size and sha256."""
+    if size != entry["size"]:
+        raise IncompleteStep(f"{where} is {size} bytes, the manifest says {entry['size']}")
+    if digest != entry["sha256"]:
+        raise IncompleteStep(
+            f"{entry['name']} does not match its sha256 in the manifest (corrupt): {where}"
+        )
 
 
 def not_found(uri: str, step: int | None, skipped: list[str]) -> CheckpointNotFoundError:

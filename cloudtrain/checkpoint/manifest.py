@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 import time
 from collections.abc import Iterable, Mapping
@@ -201,3 +202,12 @@ def deserialize(data: bytes, map_location: Any, weights_only: bool) -> Any:
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes, read in chunks (a shard of a big model does not fit memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

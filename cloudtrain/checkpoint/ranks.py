@@ -14,7 +14,7 @@ gives obj back.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from ..bootstrap import TIMEOUT_ENV, control_group, timeout_seconds
@@ -97,3 +97,27 @@ class Ranks:
         box = [obj]
         self._run(stage, lambda: self.dist.broadcast_object_list(box, src=0, group=self.group))
         return box[0]
+
+    def run_everywhere(self, fn: Callable[[], Any], stage: str) -> None:
+        """fn() on this rank, then a gather of every rank's outcome: if it failed anywhere, the
+        same CheckpointError (what failed, by rank) is raised on every rank."""
+        error = None
+        try:
+            fn()
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        errors = self.all_gather(error, stage)
+        if any(errors):
+            raise CheckpointError(f"{stage} failed{self.where}: {by_text(enumerate(errors))}")
+
+
+def by_text(failures: Iterable[tuple[int, str | None]], who: str = "rank") -> str:
+    """Ranks' failures with the ranks of each distinct text together ("ranks 2, 3: ...")."""
+    ranks: dict[str, list[int]] = {}
+    for rank, text in failures:
+        if text:
+            ranks.setdefault(text, []).append(rank)
+    return "; ".join(
+        f"{who}{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {text}"
+        for text, rs in ranks.items()
+    )

@@ -1,9 +1,10 @@
 """Where checkpoint files live: a local folder or an S3 prefix, behind one small interface.
 
 A store maps keys such as "step-00000012/model.pt" to bytes: put, get (KeyError when absent),
-list_dirs, list_files (name -> size), delete, delete_dir, where (the URI of a key, for messages),
-and is_transient (whether an error is worth a retry). Writes of one key are atomic: a reader sees
-the whole old object, the whole new one, or nothing.
+put_file and get_file (the same from and to a local file, streamed: for files too big to hold in
+memory), list_dirs, list_files (name -> size), delete, delete_dir, where (the URI of a key, for
+messages), and is_transient (whether an error is worth a retry). Writes of one key are atomic: a
+reader sees the whole old object, the whole new one, or nothing.
 
     store = open_store("s3://ct-demo-us-east-1-ckpt/run1", S3Config())
     store.put("step-00000012/manifest.json", data)
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _T = TypeVar("_T")
+_CHUNK = 8 << 20
 
 
 def uri_scheme(uri: str) -> str:
@@ -88,11 +90,21 @@ class LocalStore:
         return str(self.root / key) if key else str(self.root)
 
     def put(self, key: str, data: bytes) -> None:
+        self._write(key, lambda f: f.write(data))
+
+    def put_file(self, key: str, source: str | os.PathLike) -> None:
+        def copy(f: Any) -> None:
+            with open(source, "rb") as src:
+                shutil.copyfileobj(src, f, _CHUNK)
+
+        self._write(key, copy)
+
+    def _write(self, key: str, fill: Callable[[Any], Any]) -> None:
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         with open(tmp, "wb") as f:
-            f.write(data)
+            fill(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -106,6 +118,12 @@ class LocalStore:
     def get(self, key: str) -> bytes:
         try:
             return (self.root / key).read_bytes()
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
+    def get_file(self, key: str, dest: str | os.PathLike) -> None:
+        try:
+            shutil.copyfile(self.root / key, dest)
         except FileNotFoundError:
             raise KeyError(key) from None
 
@@ -199,17 +217,30 @@ class S3Store:
             io.BytesIO(data), self.bucket, self._key(key), Config=self.transfer
         )
 
+    def put_file(self, key: str, source: str | os.PathLike) -> None:
+        self.client.upload_file(
+            os.fspath(source), self.bucket, self._key(key), Config=self.transfer
+        )
+
     def get(self, key: str) -> bytes:
+        buf = io.BytesIO()
+        self._download(key, lambda k: self.client.download_fileobj(
+            self.bucket, k, buf, Config=self.transfer))  # fmt: skip
+        return buf.getvalue()
+
+    def get_file(self, key: str, dest: str | os.PathLike) -> None:
+        self._download(key, lambda k: self.client.download_file(
+            self.bucket, k, os.fspath(dest), Config=self.transfer))  # fmt: skip
+
+    def _download(self, key: str, fetch: Callable[[str], None]) -> None:
         from botocore.exceptions import ClientError
 
-        buf = io.BytesIO()
         try:
-            self.client.download_fileobj(self.bucket, self._key(key), buf, Config=self.transfer)
+            fetch(self._key(key))
         except ClientError as e:
             if str(e.response.get("Error", {}).get("Code", "")) in ("404", "NoSuchKey"):
                 raise KeyError(key) from None
             raise
-        return buf.getvalue()
 
     def _list(self, prefix: str, delimiter: str | None) -> list[dict[str, Any]]:
         pages = self.client.get_paginator("list_objects_v2").paginate(
