@@ -8,12 +8,14 @@ train_charlm.py reads it.
         --config diloco-4bit --sync-every 20          # the outer loop on shards
     torchrun --standalone --nproc-per-node 4 examples/train_sharded.py --regions a,a,b,b \
         --ckpt /tmp/sharded-run                       # resumes from the newest step there
+    horovodrun --gloo -np 4 -H localhost:4 python examples/train_sharded.py --regions a,a,b,b
 
 --config: a cloudtrain preset or codec spec ("auto" by default: the controller picks the codec
 per link), or "hsdp" for plain FSDP2 HSDP (torch's fully_shard on the same 2-D mesh, a dense
 all-reduce across regions) to compare with. Every region needs the same number of ranks. Rank 0
-prints the loss every 20 steps and a last line `RESULT {json}` (loss, steps, ms/step, bytes sent
-across regions, this rank's memory of parameters + gradients + optimizer + cloudtrain state).
+prints the loss every 20 steps and a last line `RESULT {json}` (loss, steps, the step it resumed
+from, ms/step, bytes sent across regions, this rank's memory of parameters + gradients +
+optimizer + cloudtrain state).
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     ap.add_argument("--sync-every", type=int, default=None, help="the outer loop's H")
-    ap.add_argument("--ckpt", default=None, help="a folder or s3://BUCKET-{region}/PREFIX: save every 50 steps, resume")
+    ap.add_argument(
+        "--ckpt", default=None, help="a folder or s3://BUCKET-{region}/PREFIX: resume, save"
+    )
+    ap.add_argument("--save-every", type=int, default=50, help="steps between saves to --ckpt")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
@@ -102,7 +107,7 @@ def main() -> None:
         opt.step()
         if rank == 0 and step % 20 == 0:
             print(f"step {step} loss {loss.item():.3f}", flush=True)
-        if ckpt is not None and (step + 1) % 50 == 0:
+        if ckpt is not None and (step + 1) % args.save_every == 0:
             ckpt.save(step + 1, model, opt, comm)
     ms = 1000 * (time.perf_counter() - t0) / max(1, args.steps - start)
     if comm is not None:
@@ -110,8 +115,9 @@ def main() -> None:
     held = rank_memory(model, opt, comm) if comm is not None else {}
     wan = comm.stats().wan_bytes_sent if comm is not None else None
     if rank == 0:
-        result = {"loss": round(loss.item(), 4), "steps": args.steps, "ms_per_step": round(ms, 1),
-                  "config": args.config, "wan_bytes_sent": wan, "memory": held}  # fmt: skip
+        result = {"loss": loss.item(), "steps": args.steps, "start": start,
+                  "ms_per_step": round(ms, 1), "config": args.config, "wan_bytes_sent": wan,
+                  "memory": held}  # fmt: skip
         print("RESULT " + json.dumps(result), flush=True)
     if comm is not None:
         comm.close()

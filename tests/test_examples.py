@@ -194,3 +194,21 @@ def test_train_sharded_under_torchrun():
     # AdamW's two moments of the rank's shards (and a step counter a parameter)
     assert abs(held["optimizer"] - 2 * held["params"]) < 0.01 * held["params"]
     assert held["grads"] == held["params"] and held["cloudtrain"] > 0
+
+
+def test_train_sharded_under_horovodrun_resumes_bit_for_bit(tmp_path):
+    """examples/train_sharded.py launched by horovodrun on 2 regions x 2 ranks, in the outer
+    loop: 10 steps saved to a ShardedCheckpointer folder, then the same command for 20 steps
+    resumes from step 10 and ends with the loss of a straight 20-step run, to the last bit."""
+    if not HOROVODRUN.exists():
+        skip_or_fail("horovod", "horovodrun is missing: `make install` builds it")
+    cmd = [str(HOROVODRUN), "--gloo", "-np", "4", "-H", "localhost:4", sys.executable]
+    cmd += [str(EXAMPLES / "train_sharded.py"), "--config", "diloco-4bit", "--sync-every", "4"]
+    cmd += ["--regions", "a,a,b,b", "--width", "64", "--layers", "2", "--save-every", "10"]
+    straight, _ = run([*cmd, "--steps", "20"], timeout=300)
+    saved, _ = run([*cmd, "--steps", "10", "--ckpt", str(tmp_path / "ckpt")], timeout=300)
+    resumed, _ = run([*cmd, "--steps", "20", "--ckpt", str(tmp_path / "ckpt")], timeout=300)
+    print(f"\nhorovodrun train_sharded: {straight}\nresumed: {resumed}")
+    assert (saved["start"], resumed["start"]) == (0, 10)
+    assert resumed["loss"] == straight["loss"], (straight, resumed)
+    assert resumed["wan_bytes_sent"] > 0
