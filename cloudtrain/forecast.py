@@ -376,12 +376,15 @@ class Setting:
                          extra=extra, codecs=Codecs(CompressionConfig()))  # fmt: skip
 
 
-def predict_ddp(s: Setting, nbytes_per_param: int, hsdp: bool = False) -> tuple[float, list[float]]:
+def predict_ddp(
+    s: Setting, nbytes_per_param: int, hsdp: bool = False, units: int | None = None
+) -> tuple[float, list[float]]:
     """(step seconds, bytes each region sends across per step) of DDP's ring all-reduce over
     every rank (costs.plain_seconds over the world's ring: each region boundary carries 2 (n-1)/n
     of the gradients), or with `hsdp` FSDP2 HSDP's: the reduction inside each region, then one
     ring a shard across the regions (one rank each, every hop crossing) on the shared link. The
-    step waits for the slowest link."""
+    step waits for the slowest link. units: how many all-reduces a step waits for in turn (FSDP2
+    reduces each wrapped unit on its own; default DDP's 25 MB buckets)."""
     grad = int(s.numel * nbytes_per_param)
     intra = s.intra_s * nbytes_per_param / 4
     if len(s.links) == 1:
@@ -391,7 +394,7 @@ def predict_ddp(s: Setting, nbytes_per_param: int, hsdp: bool = False) -> tuple[
     regions = len(s.links)
     ranks = regions if hsdp else s.world
     crossing = 2 * (ranks - 1) / ranks * grad
-    exchange = plain_seconds(grad, link, s.buckets, ring=(ranks, regions))
+    exchange = plain_seconds(grad, link, units or s.buckets, ring=(ranks, regions))
     return s.compute_s + (intra if hsdp else 0.0) + exchange, [crossing] * regions
 
 

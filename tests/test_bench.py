@@ -207,3 +207,43 @@ def test_estimates_bench_reports_each_link_against_one_tcp_flow(tmp_path):
         assert row["plan"] and row["true_link_plan"] in {describe(r) for r in LADDER}, row
         assert row["same_rung"] == (row["plan"].removesuffix(" + zstd") == row["true_link_plan"])
         assert 0 < row["ready_s"] < 120, row
+
+
+def test_sharded_rows_hsdp_against_cloudtrain_on_the_shaped_links(tmp_path):
+    """`cloudtrain bench --sharded`: the char transformer sharded with FSDP2 inside each region,
+    torch's HSDP (a dense all-reduce across regions every step) beside cloudtrain.fully_shard in
+    the outer loop, on the emulated WAN: the outer loop's bytes are a small part of HSDP's, and
+    each row carries rank 0's memory and its loss."""
+    cmd = [
+        sys.executable, "-m", "cloudtrain.tools.bench", "--sharded", "--workload", "charlm",
+        "--steps", "8", "--warmup", "2", "--eval-every", "4",
+        "--methods", "compute", "hsdp", "shard-diloco-4bit", "--out", str(tmp_path), "--json",
+    ]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == {"compute", "hsdp", "shard-diloco-4bit"}
+    assert (tmp_path / "bench-sharded-wan.json").exists()
+    assert report["global_batch"] == 32  # charlm's 8 sequences a rank
+    for row in rows.values():
+        assert len(row["step_times_ms"]) == 8 and 0 < row["accuracy"] < 6  # a loss
+        held = row["memory"]
+        # AdamW's two moments of the rank's parameters (FSDP2 pads its shards' storage)
+        assert held["params"] < held["optimizer"] < 2.01 * held["params"], held
+        assert held["peak_rss"] > held["total"]
+    # sharded: each rank holds half of the model's parameters (2 ranks a region), unsharded all
+    assert rows["hsdp"]["memory"]["params"] < 0.6 * rows["compute"]["memory"]["params"]
+    outer = rows["shard-diloco-4bit"]
+    assert outer["memory"]["cloudtrain"] > 0 and rows["hsdp"]["memory"]["cloudtrain"] == 0
+    if not EMULATOR_MACHINE:
+        skip_or_fail("netem", "the bench's WAN half needs root with ip and tc: only loopback ran")
+    assert "network namespaces" in report["network"] and report["rtt_ms"] == 80
+    hsdp = rows["hsdp"]
+    # the outer loop syncs once in 8 steps (its H is larger): 4-bit of the shards, once,
+    # against 8 dense all-reduces
+    assert outer["hsdp_wan_x"] > 20, (hsdp["wan_mb_per_step"], outer["wan_mb_per_step"])
+    assert outer["plans"][0][1][0].startswith("every "), outer["plans"]
+    # every HSDP step waits for the regions' all-reduce, a round trip at least
+    assert min(hsdp["step_times_ms"][2:]) >= 80, hsdp["step_times_ms"]
+    assert abs(hsdp["predicted_wan_mb_per_step"] / hsdp["wan_mb_per_step"] - 1) < 0.1

@@ -50,7 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from . import estimates, hetero, quality
-from .runner import UNSHAPED_MBIT, Run, run_method, save_report, worker
+from .runner import UNSHAPED_MBIT, Run, is_sharded, run_method, save_report, worker
+from .workloads import WORKLOADS
 
 METHODS = (
     "compute",
@@ -63,6 +64,8 @@ METHODS = (
     "cloud-diloco",
     "cloud-diloco-4bit",
 )
+SHARDED_METHODS = ("compute", "hsdp", "shard-auto", "shard-diloco-4bit")
+"""`--sharded`: the transformer sharded with FSDP2 inside each region (runner.is_sharded)."""
 LABELS = {
     "compute": "compute only (loopback)",
     "ddp-loopback": "DDP, unshaped (loopback)",
@@ -73,6 +76,9 @@ LABELS = {
     "cloud-topk-1pct": 'CloudDDP "topk-1pct"',
     "cloud-diloco": 'CloudDDP "diloco" (outer loop)',
     "cloud-diloco-4bit": 'CloudDDP "diloco-4bit"',
+    "hsdp": "FSDP2 HSDP (dense across regions)",
+    "shard-auto": 'sharded "auto"',
+    "shard-diloco-4bit": 'sharded "diloco-4bit"',
 }
 
 
@@ -162,7 +168,9 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     methods = args.methods or (
         ["compute", "ddp", "cloud-auto"] if args.scenario in ("hetero", "drop") else list(METHODS)
     )
-    if args.scenario == "unshaped":
+    if args.sharded:
+        methods = args.methods or list(SHARDED_METHODS)
+    elif args.scenario == "unshaped":
         methods = [m for m in methods if m in ("compute", "ddp", "cloud-auto")]
     elif args.scenario in ("hetero", "drop"):
         pass
@@ -194,6 +202,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         (r for r in runs if r.method == ("ddp" if args.scenario == "unshaped" else "ddp-loopback")),
         None,
     )
+    hsdp = next((r for r in runs if r.method == "hsdp"), None)
     rows = []
     for run in runs:
         row = {
@@ -214,16 +223,25 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             "controller_decisions": run.decisions,
             "curve": run.curve,
             "step_times_ms": [1000 * t for t in run.step_times],
+            "memory": run.memory,
         }
+        if hsdp is not None and run.method != "compute":
+            row["x_hsdp"] = run.step_ms / hsdp.step_ms
+            if run.wan_bytes and hsdp.wan_bytes:
+                row["hsdp_wan_x"] = hsdp.wan_bytes / run.wan_bytes  # times fewer bytes than HSDP
         rows.append(row)
     report: dict[str, Any] = {
         "scenario": args.scenario,
         "network": network,
         "emulation": wan.emulation if wan is not None else "none (loopback)",
         "rtt_ms": links.rtt_ms if wan is not None else 0.0,
-        "model": f"MLP 64-{args.hidden}-{args.hidden}-10 on scikit-learn digits",
+        "model": (
+            f"MLP 64-{args.hidden}-{args.hidden}-10 on scikit-learn digits"
+            if args.workload == "bench-mlp"
+            else f"{args.workload}: {WORKLOADS[args.workload].about}"
+        ),
         "steps": args.steps,
-        "global_batch": args.batch,
+        "global_batch": runs[0].per_rank * len(regions) if runs else args.batch,
         "ranks": len(regions),
         "drop_at": args.drop_at if args.scenario == "drop" else None,
         "rows": rows,
@@ -235,7 +253,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             row["predicted_step_ms"], row["predicted_wan_mb_per_step"] = _predict(
                 run, compute, baseline, links, wan, (args.steps, args.warmup)
             )
-    stem = save_report(report, args.out, f"bench-{args.scenario}").with_suffix("")
+    name = f"bench-{'sharded-' if args.sharded else ''}{args.scenario}"
+    stem = save_report(report, args.out, name).with_suffix("")
     title = f"{args.scenario}: {netem_describe(links) if wan is not None else 'loopback'}"
     if _plot(runs, stem.with_suffix(".png"), title):
         report["plot"] = str(stem.with_suffix(".png"))
@@ -271,15 +290,18 @@ def _predict(
 
     if wan is None or run.method in ("compute", "ddp-loopback", "powersgd"):
         return None, None
+    if is_sharded(run.method) and run.method != "hsdp" and run.outer_schedule is None:
+        return None, None  # sharded per-step: FSDP's reduce-scatter is not in the comm stages
     shards, world = 2, 4
     up = links.up or dict.fromkeys(("us", "eu"), UNSHAPED_MBIT)
     per_owner = tuple(
         LinkEstimate(up[r] * 1e6 / 8 / shards, links.rtt_ms / 1000) for r in ("us", "eu")
     )
     stages = {k: v / 1000 for k, v in (run.comm_ms or {}).items()}
-    if run.method in ("ddp", "fp16"):
+    if run.method in ("ddp", "fp16", "hsdp"):
         setting = Setting(run.numel, world, per_owner, shards, compute.step_ms / 1000, 0.0)
-        step, sent = predict_ddp(setting, 4 if run.method == "ddp" else 2)
+        hsdp = run.method == "hsdp"
+        step, sent = predict_ddp(setting, 2 if run.method == "fp16" else 4, hsdp, run.units)
     elif run.outer_schedule is not None:
         h, rungs = run.outer_schedule
         intra = stages.get("allreduce", 0.0)
@@ -402,6 +424,38 @@ def print_table(report: dict[str, Any]) -> None:
     )
 
 
+def print_sharded_table(report: dict[str, Any]) -> None:
+    """The sharded rows (--sharded): step time against HSDP's, WAN bytes and how many times
+    fewer than HSDP's, rank 0's tensor memory and peak RSS, and the final loss."""
+    print(f"\ncloudtrain bench --sharded - scenario {report['scenario']}: {report['network']}")
+    print(f"{report['model']}, {report['ranks']} ranks, {report['steps']} steps")
+    print(
+        f"{'method':36} {'step ms':>8} {'x HSDP':>7} {'WAN MB/step':>11} {'x fewer':>8} "
+        f"{'held MB':>8} {'peak RSS MB':>11} {'loss':>7} {'predicted: ms':>13} {'MB/step':>8}"
+    )
+    for row in report["rows"]:
+        x = row.get("x_hsdp")
+        fewer, wan = row.get("hsdp_wan_x"), row["wan_mb_per_step"]
+        held = (row.get("memory") or {}).get("total")
+        rss = (row.get("memory") or {}).get("peak_rss")
+        pred_ms, pred_mb = row.get("predicted_step_ms"), row.get("predicted_wan_mb_per_step")
+        print(
+            f"{row['label']:36} {row['step_ms']:8.1f} "
+            + (f"{x:7.2f} " if x is not None else f"{'':7} ")
+            + (f"{wan:11.3f} " if wan is not None else f"{'-':>11} ")
+            + (f"{fewer:8.0f} " if fewer is not None else f"{'':8} ")
+            + (f"{held / 1e6:8.1f} " if held else f"{'':8} ")
+            + (f"{rss / 1e6:11.0f} " if rss else f"{'':11} ")
+            + f"{row['accuracy']:7.4f}"
+            + ("" if pred_ms is None else f" {pred_ms:13.1f} {pred_mb:8.3f}")
+        )
+    for row in report["rows"]:
+        if row.get("plans"):
+            last = "; ".join(f"step {s}: {lv}" for s, lv in row["plans"][-3:])
+            print(f"  {row['label']} plans: {last}")
+    print(f"report: {report.get('json')}")
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", choices=list(SCENARIOS), default="wan")
     parser.add_argument(
@@ -412,7 +466,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="RTT between regions (default: the scenario's; wan 80, the others 0)",
     )
-    parser.add_argument("--methods", nargs="+", choices=METHODS, help="a subset of the methods")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=dict.fromkeys(METHODS + SHARDED_METHODS),
+        help="a subset of the methods",
+    )
+    parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="the sharded rows instead: a transformer (charlm-wide) sharded with FSDP2 inside each "
+        "region - torch's HSDP with its dense all-reduce across regions, cloudtrain.fully_shard "
+        '"auto" and "diloco-4bit" - with step time, WAN bytes, memory per rank and loss',
+    )
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the step time")
     parser.add_argument("--hidden", type=int, default=1024)
@@ -459,6 +525,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.batch is None:
         args.batch = 2048 if args.scenario in ("drop", "hetero-compute") else 256
+    if args.sharded and not args.worker:
+        if args.workload == "bench-mlp":
+            args.workload = "charlm-wide"
+        if args.scenario not in ("wan", "unshaped"):
+            raise SystemExit("cloudtrain bench --sharded: --scenario wan or unshaped")
     if args.sample_ms is None:
         args.sample_ms = hetero.SAMPLE_MS if args.scenario == "hetero-compute" else 0.0
     if args.worker:
@@ -484,6 +555,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{report['model']}, global batch {report['global_batch']}, {report['steps']} steps")
         hetero.print_table(report)
         print(f"report: {report['json']}")
+    elif args.sharded:
+        print_sharded_table(report)
     else:
         print_table(report)
     return 0

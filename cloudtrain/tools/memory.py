@@ -71,6 +71,8 @@ def cloudtrain_tensors(wrapper: Any) -> list[torch.Tensor]:
     """The tensors of cloudtrain's own state in a CloudDDP or a ShardedComm (module docstring)."""
     comm = getattr(wrapper, "comm", wrapper)  # CloudDDP's CommState, or the ShardedComm itself
     out: list[torch.Tensor] = []
+    if not hasattr(comm, "pipeline"):  # not cloudtrain's (DDP, torch's own fully_shard): none
+        return out
     path = getattr(comm, "path", None)
     if path is not None and path.ef is not None:
         out += list(path.ef.residuals.values())

@@ -4,8 +4,13 @@ emulated network, and its worker (`python -m cloudtrain.tools.bench --worker ...
     run = run_method("cloud-auto", args, wan, ["us", "us", "eu", "eu"], progress)
 
 A method is plain DDP ("ddp", or "ddp-loopback" beside an emulated network), PyTorch's fp16 or
-PowerSGD hook, no communication at all ("compute"), or "cloud-<preset>": CloudDDP with any preset
-(or codec spec) and `--overrides` (CompressionConfig fields as JSON). Rank 0 prints a JSON line
+PowerSGD hook, no communication at all ("compute"), "cloud-<preset>": CloudDDP with any preset
+(or codec spec) and `--overrides` (CompressionConfig fields as JSON); or, for a workload whose
+model has `blocks` (the char transformers), "hsdp": torch's own FSDP2 HSDP (fully_shard per block
+and at the root on the regions' 2-D mesh: a dense all-reduce across regions), or
+"shard-<preset>": cloudtrain.fully_shard on the same units with that preset. The optimizer of a
+sharded method is built after sharding, as FSDP2 wants, and every rank evaluates (a sharded
+forward is a collective inside the region). Rank 0 prints a JSON line
 per step and a last `RESULT {json}`; the driver reads them, and the bytes that crossed the
 emulated links from their interface counters.
 """
@@ -31,6 +36,74 @@ UNSHAPED_MBIT = 1e5
 SETTLED = "CLOUDTRAIN_BENCH_SETTLED"
 """Set for rank 0: it says SETTLED once every rank's collectives are done (the run's WAN bytes
 end there, before any connection closes) and waits for a line on stdin before the ranks exit."""
+
+
+def is_sharded(method: str) -> bool:
+    """Whether `method` shards the model with FSDP2 (module docstring)."""
+    return method == "hsdp" or method.startswith("shard-")
+
+
+class Sharded:
+    """A model sharded with FSDP2, in the shape the bench's loop and result read from a CloudDDP:
+    called as the model, with `comm` (its ShardedComm; None for torch's own HSDP), `stats()`,
+    `outer`, `finish_outer()` and `close()`."""
+
+    def __init__(self, model: Any, comm: Any) -> None:
+        self.model, self.comm = model, comm
+
+    @property
+    def outer(self) -> Any:
+        return getattr(self.comm, "outer", None)  # the ShardedComm makes it at its set-up
+
+    @property
+    def units(self) -> int:
+        """The FSDP units: each block and the root."""
+        return len(self.model.blocks) + 1
+
+    def __call__(self, x: Any) -> Any:
+        return self.model(x)
+
+    def stats(self) -> Any:
+        return self.comm.stats()
+
+    def finish_outer(self) -> None:
+        if self.comm is not None:
+            self.comm.finish_outer()
+
+    def close(self) -> None:
+        if self.comm is not None:
+            self.comm.close()
+
+
+def _shard(method: str, trainer: Any, overrides: dict | None) -> Sharded:
+    """Shard the trainer's model per block and at the root (as torchtitan does) and build its
+    optimizer anew on the shards."""
+    import cloudtrain
+
+    model = trainer.model
+    if not hasattr(model, "blocks") or trainer.rebuild is None:
+        raise SystemExit(
+            f"cloudtrain bench: --method {method} shards a transformer's blocks; use a workload "
+            "that has them (charlm, charlm-wide)"
+        )
+    if method == "hsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = cloudtrain.device_mesh()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        comm = None
+    else:
+        config = cloudtrain.CompressionConfig.resolve(
+            method.removeprefix("shard-"), **(overrides or {})
+        )
+        for block in model.blocks:
+            cloudtrain.fully_shard(block, config=config)
+        cloudtrain.fully_shard(model, config=config)
+        comm = cloudtrain.ShardedComm.of(model)
+    trainer.optimizer = trainer.rebuild(model)
+    return Sharded(model, comm)
 
 
 def _wrap(method: str, model, world: int, opt=None, overrides: dict | None = None):
@@ -108,9 +181,12 @@ def _train(args: argparse.Namespace, ddp: Any, trainer: Any, rank: int, world: i
         step_times.append(took)
         ends.append(time.time())
         trained += took
+        evaluates = (step + 1) % args.eval_every == 0 or done
+        if evaluates and rank != 0 and is_sharded(args.method):
+            trainer.evaluate(trainer.model)  # a sharded forward needs the region's every rank
         if rank == 0:
             line = {"step": step + 1, "ms": 1000 * took}
-            if (step + 1) % args.eval_every == 0 or done:
+            if evaluates:
                 quality = trainer.evaluate(trainer.model)
                 curve.append((trained, quality))
                 line["acc"] = quality
@@ -121,6 +197,8 @@ def _train(args: argparse.Namespace, ddp: Any, trainer: Any, rank: int, world: i
 
 def _result(args: argparse.Namespace, ddp: Any, trainer: Any, step_times, curve, loss) -> dict:
     """Rank 0's RESULT: times, curve, and what CloudDDP counted and planned."""
+    from .memory import peak_rss_bytes, rank_memory
+
     model = trainer.model
     result: dict[str, Any] = {
         "step_times": step_times,
@@ -128,6 +206,9 @@ def _result(args: argparse.Namespace, ddp: Any, trainer: Any, step_times, curve,
         "loss": loss.item(),
         "metric": trainer.metric,
         "numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "memory": {**rank_memory(model, trainer.optimizer, ddp), "peak_rss": peak_rss_bytes()},
+        "per_rank": trainer.per_rank,
+        "units": getattr(ddp, "units", None),
     }
     comm = getattr(ddp, "comm", None)
     if comm is not None:
@@ -195,7 +276,10 @@ def worker(args: argparse.Namespace) -> int:
     if "global_batch" in overrides and overrides["global_batch"] is None:  # the workload's own
         overrides["global_batch"] = trainer.per_rank * world
     wrapped_at = time.time()
-    ddp = _wrap(args.method, model, world, opt, overrides)
+    if is_sharded(args.method):
+        ddp = _shard(args.method, trainer, overrides)
+    else:
+        ddp = _wrap(args.method, model, world, opt, overrides)
     step_times, curve, samples, loss, ends = _train(args, ddp, trainer, rank, world)
     if args.rank_report:  # every rank's own samples and seconds (the hetero-compute bench)
         with open(os.path.join(args.rank_report, f"rank{rank}.json"), "w") as f:
@@ -207,7 +291,7 @@ def worker(args: argparse.Namespace) -> int:
     if args.method != "compute":
         import torch.distributed as dist
 
-        if isinstance(ddp, cloudtrain.CloudDDP):
+        if isinstance(ddp, cloudtrain.CloudDDP | Sharded):
             ddp.close()  # its background collectives (a decision on its way) finish
         dist.barrier()  # every rank's last collective is done
         if rank == 0 and os.environ.get(SETTLED) == "1":
@@ -256,6 +340,12 @@ class Run:
     """With --true-link: the cost model's rung for each region's link as it is."""
     ready_s: float | None = None
     """Seconds from the wrapper's construction to the end of the first step."""
+    memory: dict | None = None
+    """Rank 0's memory: tensor bytes by category (tools.memory.rank_memory) and peak_rss."""
+    per_rank: int = 0
+    """Samples per rank and step."""
+    units: int | None = None
+    """A sharded method's FSDP units (each its own collectives)."""
 
 
 def worker_argv(method: str, args: argparse.Namespace) -> list[str]:
@@ -377,4 +467,7 @@ def run_method(
         result.get("plan_by_region"),
         result.get("true_link_plan"),
         result.get("ready_s"),
+        result.get("memory"),
+        result.get("per_rank", 0),
+        result.get("units"),
     )

@@ -20,6 +20,8 @@ sizes with their usual hyper-parameters, none of them tuned for cloudtrain:
                 Adam lr 2e-3, 32 samples per rank
     charlm      the char transformer of examples/train_charlm.py (AdamW lr 3e-3, betas 0.9/0.99,
                 weight decay 0.1, warm-up then cosine), 8 sequences of 64 characters per rank
+    charlm-wide the same 256 wide with 4 blocks (3.2 M parameters): the sharded bench's
+                (`cloudtrain bench --sharded`), where FSDP2 shards each block
 
 The global batch of a step depends only on the seed and the step, so runs with different configs
 see the same data in the same order.
@@ -55,6 +57,9 @@ class Trainer:
     """"accuracy" (higher is better) or "loss" (lower is better)."""
     schedule: Callable[[int, int], float] | None = None
     generator: Any = None
+    rebuild: Callable[[nn.Module], torch.optim.Optimizer] | None = None
+    """The workload's optimizer, built anew on a model's (sharded) parameters: FSDP2 wants the
+    optimizer built after sharding. None: the workload cannot be sharded."""
 
     def batch(
         self, rank: int, world: int, shares: Sequence[int] | None = None
@@ -162,7 +167,14 @@ def _cnn(seed: int, per_rank: int | None) -> Trainer:
                    "accuracy")  # fmt: skip
 
 
-def _charlm(seed: int, per_rank: int | None) -> Trainer:
+def _charlm(width: int, layers: int, heads: int) -> Callable[[int, int | None], Trainer]:
+    def build(seed: int, per_rank: int | None) -> Trainer:
+        return _charlm_trainer(width, layers, heads, per_rank)
+
+    return build
+
+
+def _charlm_trainer(width: int, layers: int, heads: int, per_rank: int | None) -> Trainer:
     block, base = 64, 3e-3
     text = stdlib_text(1_000_000)
     vocab = sorted(set(text))
@@ -170,8 +182,10 @@ def _charlm(seed: int, per_rank: int | None) -> Trainer:
     data = torch.tensor([index[c] for c in text])  # (chars,)
     n_train = int(0.9 * len(data))
     train, val = data[:n_train], data[n_train:]
-    model = CharLM(len(vocab), block, 64, 2, 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=base, betas=(0.9, 0.99), weight_decay=0.1)
+    model = CharLM(len(vocab), block, width, layers, heads)
+
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=base, betas=(0.9, 0.99), weight_decay=0.1)
 
     def draw(gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return windows(train, torch.randint(len(train) - block, (n,), generator=gen), block)
@@ -192,7 +206,8 @@ def _charlm(seed: int, per_rank: int | None) -> Trainer:
         progress = (step - warmup) / max(1, steps - warmup)
         return base * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
-    return Trainer(model, opt, per_rank or 8, draw, loss, evaluate, "loss", schedule)
+    return Trainer(model, optimizer(model), per_rank or 8, draw, loss, evaluate, "loss", schedule,
+                   rebuild=optimizer)  # fmt: skip
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -204,7 +219,12 @@ WORKLOADS: dict[str, Workload] = {
         ),
         Workload("mlp-large", _mlp(512), "the same MLP at 512 samples per rank"),
         Workload("cnn", _cnn, "CNN with BatchNorm, Adam, 32/rank"),
-        Workload("charlm", _charlm, "char transformer, AdamW with warm-up and cosine, 8x64/rank"),
+        Workload(
+            "charlm",
+            _charlm(64, 2, 4),
+            "char transformer, AdamW with warm-up and cosine, 8x64/rank",
+        ),
+        Workload("charlm-wide", _charlm(256, 4, 8), "the same transformer 256 wide, 4 blocks"),
     )
 }
 """The workloads by name (module docstring)."""
