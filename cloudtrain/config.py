@@ -378,7 +378,8 @@ class CompressionConfig:
         return RESIDUAL_DTYPES[self.residual_dtype]
 
     def fingerprint(self) -> str:
-        """What all ranks must agree on, as a short stable hash (timeouts may differ per rank)."""
+        """What all ranks must agree on, as a short stable hash (timeouts and TensorBoard folders
+        may differ per rank)."""
         fields = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "timeout_s"
         }
@@ -390,6 +391,9 @@ class CompressionConfig:
             fields["elastic"] = dataclasses.replace(fields["elastic"], lighthouse=None)
         if fields["global_batch"] is None:  # (as zstd)
             del fields["global_batch"]
+        # where a rank writes TensorBoard metrics may differ per rank (another host's folder), and
+        # so may a resumed run's
+        fields["controller"] = dataclasses.replace(fields["controller"], tensorboard_dir=None)
         if fields["controller"].quality_bound == QUALITY_BOUND:  # the default, fingerprinted as
             # it was before it moved to 0.015: states saved with the default still load (only
             # rank 0 decides with the bound's value; the guard's state has the same form)

@@ -46,7 +46,7 @@ from .plan import Codecs, Plan, describe
 from .planner import FIRST_DECISION, Current, Decision, Planner
 from .probe import MIN_TRANSFER_S
 from .shares import SHARE_LEAD, BatchShares
-from .stats import Observations
+from .stats import Observations, Scalars
 from .topology import Topology
 
 log = logging.getLogger("cloudtrain")
@@ -79,7 +79,11 @@ class Controller:
             else None
         )
         self.history: list[dict[str, Any]] = []
-        self._writer = None
+        self._scalars = (
+            Scalars(self.options.tensorboard_dir)
+            if self.options.tensorboard_dir is not None and topo.rank == 0
+            else None
+        )
         self.reprobe = False  # the links are re-probed at the next decision
         self.probe_sent = 0  # bytes this rank sent re-probing, not yet taken into CommStats
         self.planner = Planner(config, codecs, topo, self._calibrate(shard_numels, device))
@@ -366,16 +370,5 @@ class Controller:
         return out
 
     def _write_metrics(self, step: int, wan_bytes_sent: int) -> None:
-        if self.options.tensorboard_dir is None or self.topo.rank != 0:
-            return
-        if self._writer is None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                log.warning("cloudtrain: tensorboard is not installed; metrics go to the log only")
-                self.options = dataclasses.replace(self.options, tensorboard_dir=None)
-                return
-            self._writer = SummaryWriter(self.options.tensorboard_dir)
-        for key, value in self.metrics().items():
-            self._writer.add_scalar(key, value, step)
-        self._writer.add_scalar("wan_bytes_sent", wan_bytes_sent, step)
+        if self._scalars is not None:
+            self._scalars.write(step, {**self.metrics(), "wan_bytes_sent": wan_bytes_sent})

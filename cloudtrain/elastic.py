@@ -51,6 +51,7 @@ from .datapath import CrossRegion
 from .membership import ElasticStats, Membership
 from .plan import Plan
 from .quorum import ElasticRefused, RegionLeft, View, identity_of
+from .stats import Scalars
 from .topology import AUTO_REGION, Topology
 from .transfer import StateTransfer, outer_digest
 
@@ -165,6 +166,10 @@ class ElasticRegion:
             self.guard = PreemptionGuard(
                 SpotWatcher(interval_s=self.options.spot_poll_s).start(), process_group=self.group
             )
+        board = config.controller.tensorboard_dir
+        self.scalars = (  # the region's first rank, a folder per region
+            Scalars(os.path.join(board, region)) if board is not None and self.local == 0 else None
+        )
         log.info("cloudtrain elastic: region %s (%d ranks) joins via %s", region, self.k, address)
 
     def close(self) -> None:
@@ -172,6 +177,8 @@ class ElasticRegion:
         self.members.close()
         if self.guard is not None and self.guard.watcher is not None:
             self.guard.watcher.stop(0)
+        if self.scalars is not None:
+            self.scalars.close()
 
     def _quorum(self, step: int, fragment: int) -> View:
         """The next quorum's view (cloudtrain.membership), offering the cross groups for reuse
@@ -192,6 +199,7 @@ class ElasticRegion:
         the run is ahead, receive its state and take part in its sync."""
         t0 = time.perf_counter()
         view = self._until_committed(-1, 0)
+        self._write_scalars()
         log.warning(
             "cloudtrain elastic: region %s joined in %.1f s at step %s (regions %s)",
             self.region, time.perf_counter() - t0, self.loop.step, list(view.regions),
@@ -207,6 +215,7 @@ class ElasticRegion:
         took = time.perf_counter() - t0
         self.stats.last_sync_s = took
         self.stats.longest_sync_s = max(self.stats.longest_sync_s, took)
+        self._write_scalars()
         if leaving:
             self.stats.left = True
             self.close()
@@ -215,6 +224,11 @@ class ElasticRegion:
                 "pseudo-gradient handed over", self.region, self.loop.step,
             )  # fmt: skip
             raise RegionLeft(f"region {self.region} left the run after step {self.loop.step}")
+
+    def _write_scalars(self) -> None:
+        """Membership, stalls and recoveries so far, for TensorBoard, at the loop's step."""
+        if self.scalars is not None:
+            self.scalars.write(self.loop.step, self.stats.scalars())
 
     def _until_committed(self, step: int, fragment: int) -> View:
         """Quorums until one's sync commits. A region that took a state and then saw the sync

@@ -55,6 +55,15 @@ class ElasticStats:
     def snapshot(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def scalars(self) -> dict[str, float]:
+        """The figures that change over a run, for TensorBoard (`elastic/<name>`)."""
+        counts = {"regions_present": len(self.regions), "lost": len(self.lost),
+                  "joined": len(self.joined), "refused": len(self.refused)}  # fmt: skip
+        sums = ("syncs", "changes", "failed_syncs", "pauses", "paused_s", "recovery_bytes_sent",
+                "recovery_bytes_received", "recovery_s", "last_sync_s")  # fmt: skip
+        out = {**counts, **{name: getattr(self, name) for name in sums}}
+        return {f"elastic/{name}": float(value) for name, value in out.items()}
+
 
 class Membership:
     """The region's heartbeats and quorums (module docstring): on every rank of the region;
@@ -172,6 +181,11 @@ class Membership:
             need = self.needed(view, commits)
             if view is not None and len(view.members) >= need:
                 break
+            if view is not None and set(self.last) - set(view.regions):
+                # lost while too few are left to sync: counted now, not only at the next commit
+                self.stats.lost += [r for r in self.last if r not in view.regions]
+                self.stats.changes += 1
+                self.last = view.regions
             if not paused:
                 self.stats.pauses += 1
                 have = "no quorum" if view is None else f"regions {list(view.regions)}"

@@ -11,12 +11,16 @@ over ranks it is what the shaped links' interface counters show, less TCP/IP hea
 the arrival time of every packet received from each region, seconds per step of each stage, and
 what the zstd stage would do to its own packets.
 The controller gathers them from all ranks; it never reads the hook's state.
+
+`Scalars` writes one rank's metrics for TensorBoard (the controller's at its decisions, an
+elastic region's membership at its syncs).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -175,3 +179,34 @@ class Observer:
         """After a resume: stage times start again from zero."""
         self._current, self._seconds_seen, self._steps = Observations(), {}, 0
         self._tried = 0
+
+
+class Scalars:
+    """TensorBoard scalars of one rank in `folder` (torch.utils.tensorboard's SummaryWriter,
+    made at the first write). Without the tensorboard package: one warning, nothing written."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self._writer: Any = None
+        self._missing = False
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        if self._missing:
+            return
+        if self._writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                logging.getLogger("cloudtrain").warning(
+                    "cloudtrain: tensorboard is not installed; metrics go to the log only"
+                )
+                self._missing = True
+                return
+            self._writer = SummaryWriter(self.folder)
+        for key, value in values.items():
+            self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()

@@ -124,6 +124,15 @@ def test_resolve_names_what_it_could_not_read() -> None:
         CompressionConfig.resolve(3)  # type: ignore[arg-type]
 
 
+def test_tensorboard_folder_differs_per_rank_without_changing_the_fingerprint() -> None:
+    """Each host (and a resumed run) may write its metrics elsewhere: not a mismatch."""
+    fingerprints = {
+        CompressionConfig(controller=c).fingerprint()
+        for c in ({}, {"tensorboard_dir": "/a"}, {"tensorboard_dir": "/b/us-east-1"})
+    }
+    assert fingerprints == {CompressionConfig().fingerprint()}
+
+
 def test_timeout_differs_per_rank_without_changing_the_fingerprint() -> None:
     assert (
         CompressionConfig(timeout_s=10).fingerprint()

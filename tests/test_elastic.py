@@ -232,6 +232,43 @@ def test_spot_notice_leaves_at_a_sync_a_mismatched_joiner_is_refused(tmp_path) -
 
 
 @pytest.mark.timeout(240)
+def test_below_min_regions_the_survivor_pauses_until_the_region_is_back(tmp_path) -> None:
+    """On loopback, min_regions 2: SIGKILL r1 at step 20; r0 never trains alone - it pauses at
+    its next sync, logged and counted, and does not step - until r1, started again, has joined;
+    then both finish with the same parameters. TensorBoard (a folder per region) shows the
+    membership, the pause and the recovery."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = tmp_path / "tb"
+    net = chaos.LocalNet({"r0": 1, "r1": 1, "lh": 1})
+    args = worker_args(120, 0.05, **{"min-regions": 2, "tensorboard": str(board)})
+    with cluster_on(net, ["r0", "r1"], args, tmp_path) as cluster:
+        r0, r1 = cluster.start("r0"), cluster.start("r1")
+        wait_until(lambda: r1.step >= 20, 90, "r1 at step 20")
+        before = logs(tmp_path, "r0").count("pauses at step")
+        r1.kill()
+        wait_until(lambda: logs(tmp_path, "r0").count("pauses at step") > before, 60, "a pause")
+        held = r0.step
+        time.sleep(3)
+        assert r0.step == held, "r0 trained alone below min_regions"
+        again = cluster.start("r1")
+        cluster.wait(180)
+    assert "resumes" in logs(tmp_path, "r0")
+    a, b = r0.result, again.result
+    assert a["steps"] == b["steps"] == 120 and a["digest"] == b["digest"]
+    assert a["elastic"]["pauses"] >= 1 and a["elastic"]["paused_s"] >= 3, a["elastic"]
+    scalars = EventAccumulator(str(board / "r0"))
+    scalars.Reload()
+    series = {tag: [e.value for e in scalars.Scalars(tag)] for tag in scalars.Tags()["scalars"]}
+    assert series["elastic/regions_present"][0] == 2 and series["elastic/lost"][-1] >= 1
+    assert series["elastic/pauses"][-1] >= 1 and series["elastic/paused_s"][-1] >= 3
+    assert series["elastic/joined"][-1] >= 1, series
+    rejoined = EventAccumulator(str(board / "r1"))  # the restarted r1 writes its own
+    rejoined.Reload()
+    assert rejoined.Scalars("elastic/recovery_bytes_received")[-1].value > 0
+
+
+@pytest.mark.timeout(240)
 def test_chaos_random_kills_and_restarts_end_with_equal_replicas(tmp_path) -> None:
     """3 regions of one rank on loopback, 5 random kills and restarts of whole regions (never
     fewer than one region that has trained alive); once all are back the harness ends the run 3

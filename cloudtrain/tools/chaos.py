@@ -60,9 +60,11 @@ def _config(args: argparse.Namespace) -> Any:
         "spot": args.spot,
         "spot_poll_s": args.spot_poll,
     }
+    board = {"tensorboard_dir": args.tensorboard} if args.tensorboard else {}
     return cloudtrain.CompressionConfig(
-        codec="none", error_feedback=False, outer=outer, elastic=elastic, timeout_s=120
-    )
+        codec="none", error_feedback=False, outer=outer, elastic=elastic, timeout_s=120,
+        controller=board,
+    )  # fmt: skip
 
 
 def _total(args: argparse.Namespace) -> int:
@@ -335,6 +337,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         "--seed", str(args.seed), "--exchange-timeout", str(args.exchange_timeout),
         "--quorum-timeout", str(args.quorum_timeout), "--pace", str(args.pace),
         *(["--stop-file", args.stop_file] if args.stop_file else []),
+        *(["--tensorboard", args.tensorboard] if args.tensorboard else []),
     ]  # fmt: skip
 
 
@@ -523,6 +526,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--logs", default=None, help="folder for every rank's stderr")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--tensorboard", default=None, help="TensorBoard folder (a sub-folder per region)"
+    )
     parser.add_argument("--local", action="store_true", help="on loopback, no WAN (no root)")
     parser.add_argument(
         "--stop-file",

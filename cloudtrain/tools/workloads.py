@@ -20,7 +20,9 @@ sizes with their usual hyper-parameters, none of them tuned for cloudtrain:
                 Adam lr 2e-3, 32 samples per rank
     charlm      the char transformer of examples/train_charlm.py (AdamW lr 3e-3, betas 0.9/0.99,
                 weight decay 0.1, warm-up then cosine), 8 sequences of 64 characters per rank
-    charlm-wide the same 256 wide with 4 blocks (3.2 M parameters): the sharded bench's
+    charlm-wide the same 256 wide with 4 blocks (3.2 M parameters) at lr 1e-3 (at charlm's 3e-3
+                it stalls after the warm-up, and runs that differ only in float rounding, as
+                DDP's and HSDP's, leave the stall 10 steps apart): the sharded bench's
                 (`cloudtrain bench --sharded`), where FSDP2 shards each block
 
 The global batch of a step depends only on the seed and the step, so runs with different configs
@@ -167,15 +169,19 @@ def _cnn(seed: int, per_rank: int | None) -> Trainer:
                    "accuracy")  # fmt: skip
 
 
-def _charlm(width: int, layers: int, heads: int) -> Callable[[int, int | None], Trainer]:
+def _charlm(
+    width: int, layers: int, heads: int, base: float
+) -> Callable[[int, int | None], Trainer]:
     def build(seed: int, per_rank: int | None) -> Trainer:
-        return _charlm_trainer(width, layers, heads, per_rank)
+        return _charlm_trainer(width, layers, heads, base, per_rank)
 
     return build
 
 
-def _charlm_trainer(width: int, layers: int, heads: int, per_rank: int | None) -> Trainer:
-    block, base = 64, 3e-3
+def _charlm_trainer(
+    width: int, layers: int, heads: int, base: float, per_rank: int | None
+) -> Trainer:
+    block = 64
     text = stdlib_text(1_000_000)
     vocab = sorted(set(text))
     index = {c: i for i, c in enumerate(vocab)}
@@ -221,10 +227,12 @@ WORKLOADS: dict[str, Workload] = {
         Workload("cnn", _cnn, "CNN with BatchNorm, Adam, 32/rank"),
         Workload(
             "charlm",
-            _charlm(64, 2, 4),
+            _charlm(64, 2, 4, 3e-3),
             "char transformer, AdamW with warm-up and cosine, 8x64/rank",
         ),
-        Workload("charlm-wide", _charlm(256, 4, 8), "the same transformer 256 wide, 4 blocks"),
+        Workload(
+            "charlm-wide", _charlm(256, 4, 8, 1e-3), "the same transformer 256 wide, 4 blocks"
+        ),
     )
 }
 """The workloads by name (module docstring)."""
