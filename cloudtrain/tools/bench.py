@@ -5,6 +5,7 @@
     cloudtrain bench --scenario hetero|drop|unshaped    # the other measurements
     cloudtrain bench --steps 150 --json                 # machine-readable report on stdout
     sudo cloudtrain bench --estimates                   # the link estimates against TCP flows
+    sudo cloudtrain bench --sharded                     # FSDP2 HSDP against cloudtrain's shards
 
 Each method trains the same model on the same real data (scikit-learn's handwritten digits; an
 MLP wide enough that its gradients are worth compressing) for the same steps with the same seed:
