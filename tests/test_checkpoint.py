@@ -657,3 +657,15 @@ def test_load_after_latest_step_reads_nothing_twice(store: Store) -> None:
     store.put(key, bytes(data))  # changed after the check: this load does not read it again
     assert ckpt.load()["comm_state"] == {"seed": 2}
     assert ckpt.load()["comm_state"] == {"seed": 1}  # nothing cached now: the change is seen
+
+
+def test_an_old_sharded_checkpoint_is_refused_not_skipped(tmp_path) -> None:
+    """A folder of the first ShardedCheckpointer (its own manifest) is an error naming it, never
+    "nothing saved" - which would start the run again from step 0."""
+    folder = tmp_path / "ckpt" / step_dir(5)
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(
+        '{"format": "cloudtrain.sharded-checkpoint/1", "step": 5}'
+    )
+    with pytest.raises(CheckpointError, match="older ShardedCheckpointer"):
+        Checkpointer(str(tmp_path / "ckpt")).latest_step()

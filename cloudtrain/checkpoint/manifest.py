@@ -89,6 +89,12 @@ def parse_manifest(raw: bytes, step: int, where: str, root: str) -> dict[str, An
     anything unreadable or missing; CheckpointError for a version newer than this code."""
     try:
         manifest = json.loads(raw)
+        if manifest.get("format") == "cloudtrain.sharded-checkpoint/1":
+            raise CheckpointError(
+                f"{where} was written by an older ShardedCheckpointer (its own local layout), "
+                "which this cloudtrain does not read: resume with the release that wrote it, "
+                "or start the run afresh in another folder"
+            )
         if manifest.get("format") != FORMAT:
             raise ValueError(f"format is {manifest.get('format')!r}, not {FORMAT!r}")
         version = manifest.get("version", 0)

@@ -26,9 +26,11 @@ A save writes the region's DCP to a local staging folder (`staging`, default the
 temporary folder), then hands each rank's files to the Checkpointer: streamed to the store,
 sized and hashed into the manifest, committed when every rank's are written. A load takes the
 newest committed step (the Checkpointer's verdict, the same on every rank), copies the region's
-.metadata and then only the files this rank's DCP plan reads, each checked against the
-manifest's sha256 before DCP opens it; a file that does not match fails the load on every rank,
-before any of this rank's tensors is written. Loading into another mesh shape (other ranks per
+.metadata and then, at DCP's plan step, only the files this rank's plan reads, each checked
+against the manifest's sha256 before DCP opens it; a file that does not match fails the load on
+every rank, before any rank of its region has copied a tensor. The DCP files are checked when a
+load reads them, not when the step is chosen: a committed step with a corrupt shard is an error
+(load an older `step=`), not skipped. Loading into another mesh shape (other ranks per
 region) is DCP's resharding for the model and optimizer; the comm state belongs to the saved
 shards' owners, so `load(..., comm_state=False)` is then needed - without it the load refuses,
 saying so.
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -75,15 +78,24 @@ def _dcp(call: Callable[[], Any]) -> Callable[[], None]:
 
 
 class _FetchingReader(FileSystemReader):
-    """DCP's reader of a staging folder that first fetches (verified) the files a plan reads."""
+    """DCP's reader of a staging folder that fetches (verified) the files a plan reads: at the
+    plan step, which DCP agrees on inside the region before any rank copies a tensor, so a
+    file that fails its check leaves every rank of the region as it was."""
 
     def __init__(self, path: str, fetch: Callable[[list[str]], None]) -> None:
         super().__init__(path)
         self._fetch = fetch
 
-    def read_data(self, plan: Any, planner: Any) -> Any:
+    def _fetch_for(self, plan: Any) -> None:
         needed = {self.storage_data[item.storage_index].relative_path for item in plan.items}
         self._fetch(sorted(needed))
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        self._fetch_for(plan)
+        return super().prepare_local_plan(plan)
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        self._fetch_for(plan)  # the final plan's files: fetched at the plan step already
         return super().read_data(plan, planner)
 
 
@@ -139,7 +151,17 @@ class ShardedCheckpointer:
         state = comm.comm_state_dict()  # first: it finishes what is in flight (a collective)
         model_state, optim_state = get_state_dict(model, optimizer)
         ranks = Ranks(store.timeout_s, f" in ShardedCheckpointer.save(step={step})")
-        with tempfile.TemporaryDirectory(prefix="cloudtrain-dcp-", dir=self.staging) as tmp:
+        staged: dict[str, str] = {}
+
+        def stage() -> None:  # the local steps, gathered before any rank enters DCP's
+            staged["tmp"] = tempfile.mkdtemp(prefix="cloudtrain-dcp-", dir=self.staging)
+            if topo.rank == 0:
+                with open(os.path.join(staged["tmp"], LAYOUT_FILE), "w") as f:
+                    json.dump(_layout(comm), f)
+
+        try:
+            ranks.run_everywhere(stage, "sharded checkpoint staging")
+            tmp = staged["tmp"]
             dcp = os.path.join(tmp, "dcp")
             ranks.run_everywhere(  # the other regions hear of a failure here, not at a timeout
                 _dcp(
@@ -153,11 +175,11 @@ class ShardedCheckpointer:
             )
             files = {region_prefix(topo.region) + n: os.path.join(dcp, n) for n in os.listdir(dcp)}
             if topo.rank == 0:
-                layout = os.path.join(tmp, LAYOUT_FILE)
-                with open(layout, "w") as f:
-                    json.dump(_layout(comm), f)
-                files[LAYOUT_FILE] = layout
+                files[LAYOUT_FILE] = os.path.join(tmp, LAYOUT_FILE)
             return store.save(step, comm_state=state, files=files)
+        finally:
+            if "tmp" in staged:
+                shutil.rmtree(staged["tmp"], ignore_errors=True)
 
     # -- load ------------------------------------------------------------------------------------
     def latest_step(self, comm: Any) -> int | None:
@@ -184,7 +206,16 @@ class ShardedCheckpointer:
         saved = store.load(step, strict_world_size=False)
         step, topo = saved["step"], comm.topo
         files = {e["name"]: e for e in saved["files"]}
-        layout = self._saved_layout(store, step, files)
+        ranks = Ranks(store.timeout_s, f" in ShardedCheckpointer.load(step={step})")
+        read: tuple[dict[str, Any] | None, str | None] = (None, None)
+        if topo.rank == 0:  # one read of the layout, and every rank has it (or its error)
+            try:
+                read = (self._saved_layout(store, step, files, self.staging), None)
+            except CheckpointError as e:
+                read = (None, str(e))
+        layout, error = ranks.broadcast(read, "sharded checkpoint layout")
+        if layout is None:
+            raise CheckpointError(str(error))
         if layout["regions"] != list(topo.regions):
             raise CheckpointError(
                 f"checkpoint step {step} was saved by regions {layout['regions']}, this run has "
@@ -199,12 +230,13 @@ class ShardedCheckpointer:
         comm.set_up()
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optim_state}
-        ranks = Ranks(store.timeout_s, f" in ShardedCheckpointer.load(step={step})")
         prefix = region_prefix(topo.region)
         with tempfile.TemporaryDirectory(prefix="cloudtrain-dcp-", dir=self.staging) as tmp:
 
             def fetch(names: list[str]) -> None:
                 for name in names:
+                    if os.path.exists(os.path.join(tmp, name)):
+                        continue  # fetched (and checked) already
                     if prefix + name not in files:
                         raise CheckpointError(f"step {step}'s manifest lists no {prefix + name}")
                     store.fetch(step, files[prefix + name], os.path.join(tmp, name))
@@ -231,13 +263,15 @@ class ShardedCheckpointer:
         return step
 
     @staticmethod
-    def _saved_layout(store: Checkpointer, step: int, files: dict[str, Any]) -> dict[str, Any]:
+    def _saved_layout(
+        store: Checkpointer, step: int, files: dict[str, Any], staging: str | None
+    ) -> dict[str, Any]:
         if LAYOUT_FILE not in files:
             raise CheckpointError(
                 f"checkpoint step {step} under {store.uri} is not a sharded checkpoint (no "
                 f"{LAYOUT_FILE}); a CloudDDP checkpoint loads with cloudtrain.checkpoint.Checkpointer"
             )
-        with tempfile.TemporaryDirectory(prefix="cloudtrain-dcp-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="cloudtrain-dcp-", dir=staging) as tmp:
             path = os.path.join(tmp, LAYOUT_FILE)
             store.fetch(step, files[LAYOUT_FILE], path)
             with open(path) as f:
