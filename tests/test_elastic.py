@@ -289,3 +289,26 @@ def test_chaos_random_kills_and_restarts_end_with_equal_replicas(tmp_path) -> No
     assert report["replicas_equal"], report["results"]
     steps = {r["steps"] for r in report["results"].values()}
     assert len(steps) == 1 and steps.pop() < 5000, report["results"]  # ended at the stop step
+
+
+@pytest.mark.timeout(240)
+def test_chaos_runs_torchfts_own_diloco_beside_ours(tmp_path) -> None:
+    """The comparison the chaos bench makes (--engine torchft): the same kill and restart with
+    torchft's Manager and DiLoCo on the same regions. The survivor notices the loss and goes on,
+    the restarted region heals from it (torchft's live recovery), and both end equal; the
+    report's measures read torchft's lines (participants, not region names)."""
+    parser = argparse.ArgumentParser()
+    chaos.configure(parser)
+    args = parser.parse_args(
+        ["--engine", "torchft", "--local", "--regions", "2", "--ranks", "1", "--steps", "150",
+         "--pace", "0.04", "--sync-every", "10", "--kill-at", "30", "--restart-after", "0",
+         "--heartbeat", str(HEARTBEAT_S), "--timeout", "150", "--logs", str(tmp_path)]
+    )  # fmt: skip
+    report = chaos.run_scenario(args)
+    print("torchft:", report["around_kills"], report["rejoined_s"])
+    assert report["replicas_equal"], report["results"]
+    assert {r["engine"] for r in report["results"].values()} == {"torchft"}
+    around = report["around_kills"][0]["r0"]
+    assert around["detected_s"] is not None and around["detected_s"] < 30, around
+    assert report["rejoined_s"][0] is not None, report
+    assert all(r["steps"] == 150 for r in report["results"].values()), report["results"]

@@ -17,8 +17,13 @@ the data. Scenarios:
 
 Reports (JSON with --json): the survivors' longest step around each kill and their normal sync,
 the detection time (kill to the survivors' quorum without the region), the join time (restart to
-the region's first committed sync), the bytes moved for recovery, test accuracy against the
-baseline, and whether every present region ends with the same parameters.
+the region's first committed sync), `rejoined_s` (restart to its first sync with parameters equal
+to another region's), the bytes moved for recovery, test accuracy against the baseline, and
+whether every present region ends with the same parameters.
+
+`--engine torchft` runs the same regions, model, data and schedule with torchft's own DiLoCo
+(its Manager, Lighthouse quorum and live healing; `worker_torchft`) on the same links, for the
+comparison: `sudo cloudtrain chaos --regions 2 --engine torchft` beside `--engine cloudtrain`.
 
 The worker (`python -m cloudtrain.tools.chaos --worker`) is one rank of one region; local rank 0
 prints one JSON line per step and a last `RESULT {json}`.
@@ -154,6 +159,88 @@ def worker(args: argparse.Namespace) -> int:
         }  # fmt: skip
         print("RESULT " + json.dumps(result), flush=True)
     model.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def worker_torchft(args: argparse.Namespace) -> int:
+    """One rank of one region running torchft's own DiLoCo instead (--engine torchft): the same
+    MLP, data draws, inner optimizer and sync_every, torch DDP inside the region, torchft's
+    Manager (its Lighthouse quorum, its gloo group across regions, live healing over that group)
+    and torchft.local_sgd.DiLoCo with a plain-averaging outer step (SGD, lr 1, no momentum: what
+    the cloudtrain worker's OuterConfig does); pseudo-gradients in fp32 (torchft's quantization
+    needs a GPU). Prints the same lines as `worker`, with "participants" for "regions"."""
+    from datetime import timedelta
+    from urllib.parse import urlparse
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+    from torchft.local_sgd import DiLoCo
+
+    from cloudtrain.bootstrap import _address_towards
+    from cloudtrain.tools.data import digits, digits_mlp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank, k, region = dist.get_rank(), dist.get_world_size(), os.environ["CLOUDTRAIN_REGION"]
+    x_train, y_train, x_test, y_test = digits(args.seed)
+    torch.manual_seed(args.seed)
+    net = digits_mlp(args.hidden)
+    ddp = torch.nn.parallel.DistributedDataParallel(net)  # inside the region only
+    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    outer = torch.optim.SGD(net.parameters(), lr=1.0)
+    timeout = timedelta(seconds=args.exchange_timeout)
+    pg = ProcessGroupGloo(timeout=timeout)
+    lighthouse = os.environ["TORCHFT_LIGHTHOUSE"]
+    t_start = time.time()
+    manager = Manager(
+        pg=pg, min_replica_size=1, use_async_quorum=False,
+        load_state_dict=lambda sd: (net.load_state_dict(sd["model"]),
+                                    opt.load_state_dict(sd["inner"])),
+        state_dict=lambda: {"model": net.state_dict(), "inner": opt.state_dict()},
+        replica_id=region, rank=rank, world_size=k, timeout=timeout,
+        quorum_timeout=timedelta(seconds=args.quorum_timeout),
+        store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+        hostname=_address_towards(urlparse(lighthouse).hostname),
+        checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
+    )  # fmt: skip
+    joined = time.time()
+    h, local = args.sync_every, 0
+    per_rank = args.batch // k
+    seed = zlib.crc32(region.encode()) + args.seed
+    steps = lambda: manager.current_step() * h + local  # noqa: E731
+    with DiLoCo(manager, [net], opt, outer, sync_every=h, pin_memory=False):
+        while steps() < _total(args):
+            gen = torch.Generator().manual_seed(seed * 100_003 + steps())
+            idx = torch.randint(len(x_train), (args.batch,), generator=gen)
+            mine = idx[rank * per_rank : (rank + 1) * per_rank]
+            t0 = time.time()
+            loss = F.cross_entropy(ddp(x_train[mine]), y_train[mine])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()  # DiLoCo's hook: at every h-th step the quorum, the sync, the commit
+            local = (local + 1) % h
+            if rank == 0:
+                line = {"step": steps(), "t": time.time(), "dt": time.time() - t0,
+                        "participants": manager.num_participants()}  # fmt: skip
+                if local == 0:
+                    line["digest"] = _digest(net)
+                print(json.dumps(line), flush=True)
+            if args.pace:
+                time.sleep(args.pace)
+    with torch.no_grad():
+        accuracy = (net(x_test).argmax(1) == y_test).float().mean().item()
+    if rank == 0:
+        result = {
+            "region": region, "engine": "torchft", "accuracy": accuracy, "digest": _digest(net),
+            "left": False, "steps": steps(), "started": t_start, "joined": joined,
+            "finished": time.time(),
+        }  # fmt: skip
+        print("RESULT " + json.dumps(result), flush=True)
+    manager.shutdown(wait=False)
     dist.destroy_process_group()
     return 0
 
@@ -330,7 +417,7 @@ class Cluster:
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
     return [
-        "--steps", str(args.steps), "--sync-every", str(args.sync_every),
+        "--engine", args.engine, "--steps", str(args.steps), "--sync-every", str(args.sync_every),
         "--codec", args.codec, "--level", str(args.level), "--min-regions", str(args.min_regions),
         "--start-regions", str(args.start_regions or args.regions),
         "--hidden", str(args.hidden), "--batch", str(args.batch), "--lr", str(args.lr),
@@ -347,6 +434,7 @@ def survivors_around(cluster: Cluster, killed: RegionProcs) -> dict[str, Any]:
     detection time (kill to the end of its first step without the region) and the step at
     which the restarted region joined it (join_stall_s)."""
     out: dict[str, Any] = {}
+    total = len(cluster.regions)
     t = killed.killed or 0.0
     again = next((r for r in cluster.history if r.name == killed.name and r.started > t), None)
     end = t + 30.0  # until the restart's heartbeats begin (it then joins the survivors' sync)
@@ -357,8 +445,8 @@ def survivors_around(cluster: Cluster, killed: RegionProcs) -> dict[str, Any]:
             continue
         after = [ln for ln in run.lines if t <= ln["t"] <= end]
         before = [ln for ln in run.lines if ln["t"] < t]
-        gone = next((ln for ln in after if killed.name not in ln["regions"]), None)
-        back = next((ln for ln in run.lines if ln["t"] > end and killed.name in ln["regions"]),
+        gone = next((ln for ln in after if not _present(ln, killed.name, total)), None)
+        back = next((ln for ln in run.lines if ln["t"] > end and _present(ln, killed.name, total)),
                     None)  # fmt: skip
         out[run.name] = {
             "longest_step_s": max((ln["dt"] for ln in after), default=None),
@@ -368,6 +456,30 @@ def survivors_around(cluster: Cluster, killed: RegionProcs) -> dict[str, Any]:
             "join_stall_s": None if back is None else back["dt"],
         }
     return out
+
+
+def rejoined_s(cluster: Cluster, run: RegionProcs) -> float | None:
+    """Seconds from a region's (re)start to its first sync whose parameters equal another
+    region's at the same step (the digests its first rank prints at syncs); None if never."""
+    theirs = {
+        (ln["step"], ln["digest"])
+        for other in cluster.history
+        if other.name != run.name
+        for ln in other.lines
+        if "digest" in ln
+    }
+    first = next(
+        (ln for ln in run.lines if "digest" in ln and (ln["step"], ln["digest"]) in theirs), None
+    )
+    return None if first is None else first["t"] - run.started
+
+
+def _present(line: dict[str, Any], region: str, total: int) -> bool:
+    """Whether `region` took part in the step of a rank-0 line: named in its regions, or (a
+    torchft worker's line, which has only a count) every one of the `total` regions took part."""
+    if "regions" in line:
+        return region in line["regions"]
+    return line["participants"] >= total
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -430,7 +542,8 @@ def chaos_events(cluster: Cluster, args: argparse.Namespace) -> list[tuple[str, 
             events.append(("start", cluster.start(r)))
     if args.stop_file:  # all back and training together: end the run 3 syncs from now
         together = lambda: all(  # noqa: E731
-            cluster.current[r].lines and set(cluster.current[r].lines[-1]["regions"]) == set(names)
+            cluster.current[r].lines
+            and all(_present(cluster.current[r].lines[-1], n, len(names)) for n in names)
             for r in names
         )
         while not together():
@@ -476,6 +589,7 @@ def run_scenario(args: argparse.Namespace) -> dict[str, Any]:
         report["around_kills"] = [
             survivors_around(cluster, run) for kind, run in events if kind == "kill"
         ]
+        report["rejoined_s"] = [rejoined_s(cluster, run) for kind, run in events if kind == "start"]
         finals = {r: cluster.current[r].result for r in names}
         report["results"] = finals
         digests = [res["digest"] for res in finals.values() if res and "digest" in res]
@@ -496,6 +610,12 @@ def _wait_step(cluster: Cluster, run: RegionProcs, step: int, timeout_s: float) 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scenario", choices=("kill", "chaos", "baseline"), default="kill")
+    parser.add_argument(
+        "--engine",
+        choices=("cloudtrain", "torchft"),
+        default="cloudtrain",
+        help="who trains: cloudtrain's elastic outer loop, or torchft's own DiLoCo beside it",
+    )
     parser.add_argument("--regions", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--mbit", type=float, default=200.0)
@@ -540,7 +660,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.worker:
-        return worker(args)
+        return worker_torchft(args) if args.engine == "torchft" else worker(args)
     report = run_scenario(args)
     print(json.dumps(report, indent=None if args.json else 2, default=str))
     return 0 if report.get("replicas_equal") else 1
