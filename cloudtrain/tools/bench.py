@@ -519,7 +519,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     hetero.configure(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)  # METHODS, or cloud-<any preset>
-    parser.add_argument("--workload", default="bench-mlp", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--workload",
+        default="bench-mlp",
+        choices=sorted(WORKLOADS),
+        help="the model every row trains (default: the bench's MLP; with --sharded: charlm-wide)",
+    )
     parser.add_argument("--overrides", help=argparse.SUPPRESS)  # CompressionConfig fields, JSON
 
 
