@@ -15,8 +15,9 @@ moves it starts again from STALE_DECISIONS, and none comes sooner than keeps re-
 REPROBE_SHARE of the run's time. A re-probe that reads a link well under its estimate is repeated
 (asked for at the next decision, it runs at the one after), and the better of the two readings
 sets it, so that one transfer that read low lowers nothing (on the emulated links at 80 ms, one
-probe reads 0.64-1.12x of one TCP flow from one run to the next). Between re-probes each shard
-owner times every packet it receives: packets never lower an estimate (their time is their
+probe read 0.64-1.12x of one TCP flow from one run to the next before it re-timed a message that
+read slow, 0.90-1.15x since: cloudtrain.probe). Between re-probes each shard owner times every
+packet it receives: packets never lower an estimate (their time is their
 sender's lateness as much as the link's), and raise it only when one owner's packets alone came
 faster than the whole link was thought to carry; packets that arrive much slower than packets of
 their size did after the last re-probe ask for the next one early.

@@ -18,7 +18,7 @@ import pytest
 from distributed import spawn_in_regions
 from support import EMULATOR_MACHINE
 
-from cloudtrain.probe import LinkMatrix, expand, representative_pairs, rounds
+from cloudtrain.probe import LinkMatrix, expand, fit_measured, representative_pairs, rounds
 from cloudtrain.tools import netem
 from cloudtrain.tools.netem import Emulator, teardown
 
@@ -135,3 +135,19 @@ def test_expand_takes_each_link_from_the_pair_that_measured_it():
     assert links.beta[2][0] == links.beta[3][1] == 31.0  # eu -> us: measured 3 -> 1
     assert links.beta[1][0] == links.beta[0][1] == 1.0  # inside us: 0 -> 1
     assert links.beta[3][2] == 23.0  # inside eu: 2 -> 3
+
+
+def test_the_best_repeated_size_sets_the_bandwidth_not_a_transfer_that_lost_packets():
+    """A probe's bandwidth is the best rate of the sizes it repeated (the size that showed it,
+    and twice that where it read slow, as a message that overran the shaper's queue does), each
+    by its fastest time less the fastest ping; sizes timed once only led up to them."""
+    rtt = 0.08
+    lossy = [(1, rtt), (1, rtt + 0.001), (600_000, rtt + 0.09)]  # once: led up, not counted
+    lossy += [(1_200_000, rtt + 0.33)] * 3  # all three slow: losses recovered
+    lossy += [(2_400_000, rtt + 0.38), (2_400_000, rtt + 0.40)]
+    alpha, beta = fit_measured(lossy)
+    assert alpha == rtt and beta == pytest.approx(2_400_000 / 0.38)
+    plain = [(1, rtt), (1_000_000, rtt + 0.2), (1_000_000, rtt + 0.16), (500_000, rtt + 0.1)]
+    assert fit_measured(plain)[1] == pytest.approx(1_000_000 / 0.16)
+    once = [(1, rtt), (500_000, rtt + 0.1), (1_000_000, rtt + 0.25)]  # none repeated: the largest
+    assert fit_measured(once)[1] == pytest.approx(1_000_000 / 0.25)
