@@ -180,8 +180,8 @@ def test_hetero_compute_shares_the_batch_by_measured_throughput(tmp_path):
 
 
 def test_estimates_bench_reports_each_link_against_one_tcp_flow(tmp_path):
-    """`cloudtrain bench --estimates` at one point of its grid: one TCP flow each way, then
-    "auto"; each region's row holds the flow's rate, the controller's estimate of the link (its
+    """`cloudtrain bench --estimates` at one point of its grid: one TCP flow each way, the
+    region's two senders' flows at once, then "auto"; each region's row holds the flows' rates, the controller's estimate of the link (its
     senders' shares) and their ratio, its round trip near the one asked, the plan and the cost
     model's pick for the true link. (Whether estimates track the link is the bench's figure,
     docs/measurements.md: at this point 0.97-1.05x of the flow; tests/test_reprobe.py holds the
@@ -203,6 +203,10 @@ def test_estimates_bench_reports_each_link_against_one_tcp_flow(tmp_path):
         assert 100 < row["flow_mbit"] <= 200, row  # one flow through a 200 Mbit/s link
         assert row["estimate_mbit"] > 0 and row["ratio"] == row["estimate_mbit"] / row["flow_mbit"]
         assert row["tracks"] == (abs(row["ratio"] - 1) <= report["tolerance"]), row
+        # the region's two senders at once share the 200 Mbit/s link: together no more than it,
+        # and not much less than one flow alone
+        assert 0.8 * row["flow_mbit"] < row["flows_mbit"] <= 200 * 1.05, row
+        assert row["ratio_flows"] == row["estimate_mbit"] / row["flows_mbit"], row
         assert 70 <= row["rtt_estimate_ms"] <= 100, row
         assert row["plan"] and row["true_link_plan"] in {describe(r) for r in LADDER}, row
         assert row["same_rung"] == (row["plan"].removesuffix(" + zstd") == row["true_link_plan"])

@@ -82,22 +82,33 @@ def _total(args: argparse.Namespace) -> int:
     return args.steps
 
 
+def _draw(
+    args: argparse.Namespace, data: tuple, region: str, rank: int, k: int, step: int
+) -> tuple:
+    """This rank's part of its region's batch at `step` (k ranks a region): the same draws
+    whichever engine trains, and again after a restart."""
+    import torch
+
+    x_train, y_train = data
+    per_rank = args.batch // k
+    seed = zlib.crc32(region.encode()) + args.seed
+    gen = torch.Generator().manual_seed(seed * 100_003 + step)
+    idx = torch.randint(len(x_train), (args.batch,), generator=gen)
+    mine = idx[rank * per_rank : (rank + 1) * per_rank]
+    return x_train[mine], y_train[mine]
+
+
 def _train(model: Any, opt: Any, args: argparse.Namespace, data: tuple, rank: int) -> bool:
     """Steps until the run's total (one JSON line a step on rank 0); True if the region left."""
-    import torch
     import torch.nn.functional as F
 
     from cloudtrain.elastic import RegionLeft
 
-    x_train, y_train = data
-    per_rank = args.batch // model.elastic.k
-    seed = zlib.crc32(model.elastic.region.encode()) + args.seed
+    elastic = model.elastic
     while model.steps_done < _total(args):
-        gen = torch.Generator().manual_seed(seed * 100_003 + model.steps_done)
-        idx = torch.randint(len(x_train), (args.batch,), generator=gen)
-        mine = idx[rank * per_rank : (rank + 1) * per_rank]
+        x, y = _draw(args, data, elastic.region, rank, elastic.k, model.steps_done)
         t0 = time.time()
-        loss = F.cross_entropy(model(x_train[mine]), y_train[mine])
+        loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         left = False
@@ -209,16 +220,12 @@ def worker_torchft(args: argparse.Namespace) -> int:
     )  # fmt: skip
     joined = time.time()
     h, local = args.sync_every, 0
-    per_rank = args.batch // k
-    seed = zlib.crc32(region.encode()) + args.seed
     steps = lambda: manager.current_step() * h + local  # noqa: E731
     with DiLoCo(manager, [net], opt, outer, sync_every=h, pin_memory=False):
         while steps() < _total(args):
-            gen = torch.Generator().manual_seed(seed * 100_003 + steps())
-            idx = torch.randint(len(x_train), (args.batch,), generator=gen)
-            mine = idx[rank * per_rank : (rank + 1) * per_rank]
+            x, y = _draw(args, (x_train, y_train), region, rank, k, steps())
             t0 = time.time()
-            loss = F.cross_entropy(ddp(x_train[mine]), y_train[mine])
+            loss = F.cross_entropy(ddp(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()  # DiLoCo's hook: at every h-th step the quorum, the sync, the commit

@@ -13,7 +13,10 @@ round trip against the one asked, the plan "auto" ended on (`stats().controller[
 against the rung the cost model picks for the link as it is (`Controller.plan_for_links`: the
 flow's rate shared by the region's senders, the asked round trip, everything else as measured),
 and the seconds from CloudDDP's construction to the end of its
-first step. A link is tracked when its estimate is within 25 % of the flow's rate.
+first step. A link is tracked when its estimate is within 25 % of the flow's rate. Beside it, the
+region's two shard owners each run a flow at once to their counterparts (`Emulator.measure_flows`),
+summed: where one flow is held back by its own window (a send buffer under the link's
+bandwidth-delay product), that is what the region's senders carry, and the estimate is of them.
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ def _measure(args: argparse.Namespace, mbit: float, rtt_ms: float, progress: Any
         # region us is ranks 0-1, eu 2-3: a region's estimate is of its packets to the other
         seconds = FLOW_SECONDS + FLOW_RTTS * rtt_ms / 1000
         flow = {"us": wan.measure_mbit(0, 2, seconds), "eu": wan.measure_mbit(2, 0, seconds)}
+        # and one flow per shard owner at once, as the region's owners send
+        flows = {
+            "us": sum(wan.measure_flows([(0, 2), (1, 3)], seconds)),
+            "eu": sum(wan.measure_flows([(2, 0), (3, 1)], seconds)),
+        }
         run_args = argparse.Namespace(**vars(args))
         run_args.workload, run_args.overrides = "bench-mlp", None
         run_args.true_link = json.dumps({r: [flow[r], rtt_ms] for r in REGIONS})
@@ -63,12 +71,15 @@ def _measure(args: argparse.Namespace, mbit: float, rtt_ms: float, progress: Any
         share = link.get("bandwidth_mbit")  # one shard owner's: the region's send at once
         estimate = None if share is None else share * link["senders"]
         ratio = None if estimate is None or not flow[region] else estimate / flow[region]
+        together = None if estimate is None or not flows[region] else estimate / flows[region]
         plan = (run.plan_by_region or {}).get(region)
         true_plan = (run.true_link_plan or {}).get(region)
         rows.append({
             "mbit": mbit, "rtt_ms": rtt_ms, "region": region, "flow_mbit": flow[region],
             "estimate_mbit": estimate, "ratio": ratio,
             "tracks": ratio is not None and abs(ratio - 1) <= TOLERANCE,
+            "flows_mbit": flows[region], "ratio_flows": together,
+            "tracks_flows": together is not None and abs(together - 1) <= TOLERANCE,
             "rtt_estimate_ms": link.get("rtt_ms"), "plan": plan, "true_link_plan": true_plan,
             # the rung (the zstd stage is the link's own choice, made from measured gains)
             "same_rung": plan is not None and plan.removesuffix(" + zstd") == true_plan,
@@ -99,11 +110,13 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     print(
         f'\ncloudtrain bench --estimates: per-step "auto", {report["steps"]} steps of the bench\'s '
-        "MLP, 2 regions x 2 ranks; estimates at the end against one TCP flow"
+        "MLP, 2 regions x 2 ranks; estimates at the end against one TCP flow, and against the "
+        "region's two senders' flows at once"
     )
     print(
         f"  {'Mbit/s':>6} {'RTT':>4} {'region':6} {'TCP flow':>8} {'estimate':>8} {'ratio':>6} "
-        f"{'':6} {'RTT est':>7} {'ready s':>7}  plan (cost model on the true link)"
+        f"{'':6} {'2 flows':>7} {'ratio':>6} {'':6} {'RTT est':>7} {'ready s':>7}  "
+        "plan (cost model on the true link)"
     )
     for r in report["rows"]:
         if "error" in r:
@@ -112,9 +125,11 @@ def print_table(report: dict[str, Any]) -> None:
         est = "-" if r["estimate_mbit"] is None else f"{r['estimate_mbit']:8.1f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:6.2f}"
         rtt = "-" if r["rtt_estimate_ms"] is None else f"{r['rtt_estimate_ms']:7.1f}"
+        both = "-" if r["ratio_flows"] is None else f"{r['ratio_flows']:6.2f}"
         print(
             f"  {r['mbit']:6g} {r['rtt_ms']:4g} {r['region']:6} {r['flow_mbit']:8.1f} {est:>8} "
-            f"{ratio:>6} {'ok' if r['tracks'] else 'MISS':6} {rtt:>7} {r['ready_s']:7.1f}  "
+            f"{ratio:>6} {'ok' if r['tracks'] else 'MISS':6} {r['flows_mbit']:7.1f} {both:>6} "
+            f"{'ok' if r['tracks_flows'] else 'MISS':6} {rtt:>7} {r['ready_s']:7.1f}  "
             f"{r['plan']} ({'the same' if r['same_rung'] else r['true_link_plan']})"
         )
     print(f"\nreport: {report['json']}")

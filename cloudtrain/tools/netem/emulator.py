@@ -346,22 +346,33 @@ class Emulator:
 
     def measure_mbit(self, src: int, dst: int, seconds: float = 1.0, port: int = 5201) -> float:
         """TCP goodput from rank src to rank dst over `seconds`, Mbit/s, measured at dst."""
-        recv = self.popen(
-            dst,
-            [sys.executable, "-m", GOODPUT, "receive", self.address(dst), str(port)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        procs = [recv]
+        return self.measure_flows([(src, dst)], seconds, port)[0]
+
+    def measure_flows(
+        self, pairs: Sequence[tuple[int, int]], seconds: float = 1.0, port: int = 5201
+    ) -> list[float]:
+        """TCP goodput of one flow per (src, dst) pair, all at once for `seconds`, Mbit/s each,
+        measured at each dst (pair k listens on port + k)."""
+        procs: list[subprocess.Popen] = []
         try:
-            assert recv.stdout is not None
-            if recv.stdout.readline().strip() != "ready":
-                raise EmulatorError(f"receiver in rank {dst} did not start")
-            args = [self.address(dst), str(port), str(seconds)]
-            procs.append(self.popen(src, [sys.executable, "-m", GOODPUT, "send", *args]))
-            out, _ = recv.communicate(timeout=seconds + 60)
-            nbytes, elapsed = out.split()
-            return int(nbytes) * 8 / float(elapsed) / 1e6
+            receivers = []
+            for k, (_, dst) in enumerate(pairs):
+                argv = [sys.executable, "-m", GOODPUT, "receive", self.address(dst), str(port + k)]
+                receivers.append(self.popen(dst, argv, stdout=subprocess.PIPE, text=True))
+                procs.append(receivers[-1])
+            for recv, (_, dst) in zip(receivers, pairs, strict=True):
+                assert recv.stdout is not None
+                if recv.stdout.readline().strip() != "ready":
+                    raise EmulatorError(f"receiver in rank {dst} did not start")
+            for k, (src, dst) in enumerate(pairs):
+                args = [self.address(dst), str(port + k), str(seconds)]
+                procs.append(self.popen(src, [sys.executable, "-m", GOODPUT, "send", *args]))
+            rates = []
+            for recv in receivers:
+                out, _ = recv.communicate(timeout=seconds + 60)
+                nbytes, elapsed = out.split()
+                rates.append(int(nbytes) * 8 / float(elapsed) / 1e6)
+            return rates
         finally:
             for p in procs:
                 if p.poll() is None:
