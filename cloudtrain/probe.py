@@ -4,7 +4,8 @@ Each ordered pair (i -> j), one pair at a time so no two probes share a bottlene
 one-byte pings, a warm-up transfer, then messages of growing size (from what the warm-up
 showed, at least 64 KiB, doubling) until one's transfer - its time less the fastest ping - takes
 at least `max_seconds` and twice the round trip, or the size reaches `max_bytes` (that size is
-repeated, and where it read slower than the size before it, twice that size too: SLOWER_THAN_HALF);
+repeated, and where it read under 0.75x of the size before it - or of the warm-up - twice that
+size too, within `max_bytes`: SLOW_READING);
 j answers each with a one-byte ack, i times them.
 (Sizes that only show the round trip cannot show bandwidth: across 80 ms, a few hundred KB take
 the round trip and a jitter's worth more, whatever the link's rate.) alpha (seconds, about one
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 START_BYTES = 64 * 1024
 WARMUP_BYTES = 2 * 1024 * 1024
-SLOWER_THAN_HALF = 0.75
+SLOW_READING = 0.75
 """A message that shows bandwidth read at under this share of the rate half its size read at
 (whose time the round trip weighs on more, so it should read slower, not faster; for the first
 size, the warm-up's, slow start and all) lost its transfer to recovering losses: `_measure`
@@ -120,6 +121,8 @@ def fit_measured(samples: list[tuple[int, float]]) -> tuple[float, float]:
         if b > 1:
             fastest[b] = min(t, fastest.get(b, math.inf))
             count[b] = count.get(b, 0) + 1
+    if not fastest:
+        raise ValueError("fit_measured needs at least one message larger than a ping")
     shown = [b for b in fastest if count[b] > 1] or [max(fastest)]
     return alpha, max(b / max(fastest[b] - alpha, 1e-9) for b in shown)
 
@@ -148,8 +151,8 @@ def _measure(
     transfer. A warm-up transfer takes TCP out of slow start, and its rate sizes the first timed
     message (at least `start` bytes); one-byte pings, around it, time the round trip. Sizes
     double until the transfer, not the round trip, dominates: at least max_seconds and twice the
-    round trip; that size is repeated, and twice it too where it read slower than the size
-    before it (SLOWER_THAN_HALF)."""
+    round trip; that size is repeated, and twice it too (within max_bytes) where it read under
+    SLOW_READING of the size before it (of the warm-up, for the first size)."""
     me = dist.get_rank()
     header = torch.zeros(1, dtype=torch.int64)
     ack = torch.zeros(1, dtype=torch.uint8)
@@ -175,7 +178,7 @@ def _measure(
                 for _ in range(repeats - 1):  # the size that shows bandwidth: its fastest counts
                     samples.append(_timed(size, payload, header, ack, dst, group))
                 fastest = min(t for b, t in samples if b == size) - rtt
-                if size / max(fastest, 1e-9) < SLOWER_THAN_HALF * rate and size * 2 <= max_bytes:
+                if size / max(fastest, 1e-9) < SLOW_READING * rate and size * 2 <= max_bytes:
                     # slower than half its size (or the warm-up, slow start and all) was, every
                     # time: a message that overran the shaper's queue and spent its time
                     # recovering losses. Once more, twice as long (the best of the sizes

@@ -207,6 +207,7 @@ def test_estimates_bench_reports_each_link_against_one_tcp_flow(tmp_path):
         # and not much less than one flow alone
         assert 0.8 * row["flow_mbit"] < row["flows_mbit"] <= 200 * 1.05, row
         assert row["ratio_flows"] == row["estimate_mbit"] / row["flows_mbit"], row
+        assert row["tracks_flows"] == (abs(row["ratio_flows"] - 1) <= report["tolerance"]), row
         assert 70 <= row["rtt_estimate_ms"] <= 100, row
         assert row["plan"] and row["true_link_plan"] in {describe(r) for r in LADDER}, row
         assert row["same_rung"] == (row["plan"].removesuffix(" + zstd") == row["true_link_plan"])

@@ -213,6 +213,8 @@ class ShardedCheckpointer:
                 read = (self._saved_layout(store, step, files, self.staging), None)
             except CheckpointError as e:
                 read = (None, str(e))
+            except Exception as e:  # a store or file error: every rank raises it, none waits
+                read = (None, f"reading step {step}'s sharded.json on rank 0: {e!r}")
         layout, error = ranks.broadcast(read, "sharded checkpoint layout")
         if layout is None:
             raise CheckpointError(str(error))

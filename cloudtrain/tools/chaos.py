@@ -441,7 +441,7 @@ def survivors_around(cluster: Cluster, killed: RegionProcs) -> dict[str, Any]:
     detection time (kill to the end of its first step without the region) and the step at
     which the restarted region joined it (join_stall_s)."""
     out: dict[str, Any] = {}
-    total = len(cluster.regions)
+    regions = len(cluster.regions)
     t = killed.killed or 0.0
     again = next((r for r in cluster.history if r.name == killed.name and r.started > t), None)
     end = t + 30.0  # until the restart's heartbeats begin (it then joins the survivors' sync)
@@ -452,6 +452,9 @@ def survivors_around(cluster: Cluster, killed: RegionProcs) -> dict[str, Any]:
             continue
         after = [ln for ln in run.lines if t <= ln["t"] <= end]
         before = [ln for ln in run.lines if ln["t"] < t]
+        # a torchft line counts participants only: the region is there while as many take part
+        # as did just before the kill
+        total = before[-1].get("participants", regions) if before else regions
         gone = next((ln for ln in after if not _present(ln, killed.name, total)), None)
         back = next((ln for ln in run.lines if ln["t"] > end and _present(ln, killed.name, total)),
                     None)  # fmt: skip
@@ -483,7 +486,8 @@ def rejoined_s(cluster: Cluster, run: RegionProcs) -> float | None:
 
 def _present(line: dict[str, Any], region: str, total: int) -> bool:
     """Whether `region` took part in the step of a rank-0 line: named in its regions, or (a
-    torchft worker's line, which has only a count) every one of the `total` regions took part."""
+    torchft worker's line, which has only a count) at least `total` regions took part - as many
+    as when it was known to be there."""
     if "regions" in line:
         return region in line["regions"]
     return line["participants"] >= total

@@ -352,7 +352,8 @@ class Emulator:
         self, pairs: Sequence[tuple[int, int]], seconds: float = 1.0, port: int = 5201
     ) -> list[float]:
         """TCP goodput of one flow per (src, dst) pair, all at once for `seconds`, Mbit/s each,
-        measured at each dst (pair k listens on port + k)."""
+        measured at each dst from its first byte (pair k listens on port + k). The senders start
+        one after another, a process launch apart (tens of ms against flows of seconds)."""
         procs: list[subprocess.Popen] = []
         try:
             receivers = []
@@ -368,10 +369,16 @@ class Emulator:
                 args = [self.address(dst), str(port + k), str(seconds)]
                 procs.append(self.popen(src, [sys.executable, "-m", GOODPUT, "send", *args]))
             rates = []
-            for recv in receivers:
+            for recv, (src, dst) in zip(receivers, pairs, strict=True):
                 out, _ = recv.communicate(timeout=seconds + 60)
-                nbytes, elapsed = out.split()
-                rates.append(int(nbytes) * 8 / float(elapsed) / 1e6)
+                try:
+                    nbytes, elapsed = out.split()
+                    rates.append(int(nbytes) * 8 / float(elapsed) / 1e6)
+                except ValueError:
+                    raise EmulatorError(
+                        f"the flow from rank {src} to rank {dst} carried nothing (receiver said "
+                        f"{out.strip()!r}, exit code {recv.returncode})"
+                    ) from None
             return rates
         finally:
             for p in procs:
