@@ -250,6 +250,25 @@ class CompressionConfig:
                 "after CloudDDP.finish_outer()"
             )
 
+    def _check_elastic_steps(self) -> None:
+        """Per-step mode: a fixed codec, exchanges finished within their step."""
+        if self.codec == AUTO:
+            raise ValueError(
+                "elastic=... per step with codec 'auto': the controller does not yet re-plan for "
+                "a changing set of links; give a fixed codec (e.g. codec='topk', level=0.01, or "
+                "codec='quant', level=8), or run the outer loop (e.g. 'diloco-4bit') elastic"
+            )
+        if self.staleness:
+            raise ValueError(
+                f"elastic=... with staleness={self.staleness}: a step's exchange must finish in "
+                "its step for a lost region's step to be dropped; leave staleness at 0"
+            )
+        if self.verify_every:
+            raise ValueError(
+                f"elastic=... with verify_every={self.verify_every}: the present regions' "
+                "parameters are compared after every change of membership; leave verify_every at 0"
+            )
+
     def _check_global_batch(self) -> None:
         _number("global_batch", self.global_batch, 1, 2**31 - 1, integer=True)
         if self.codec != AUTO or self.outer is not None:
@@ -262,23 +281,21 @@ class CompressionConfig:
 
     def _check_elastic(self) -> None:
         outer = self.outer
-        if outer is None:
-            raise ValueError(
-                "elastic=... needs the outer loop (e.g. 'diloco-4bit', or outer=OuterConfig(...)): "
-                "regions agree on who is present only at syncs; per-step mode is not elastic"
-            )
-        if outer.sync_every == AUTO or outer.codec == AUTO:
-            raise ValueError(
-                "elastic=... with outer.sync_every or outer.codec 'auto': give both (e.g. "
-                "sync_every=50, codec='quant', level=8); every region must know them before it "
-                "joins"
-            )
         slowest = max(self.elastic.quorum_timeout_s, self.elastic.exchange_timeout_s)
         if slowest >= self.timeout_s:
             raise ValueError(
                 f"elastic quorum_timeout_s/exchange_timeout_s ({slowest:g}) must be below "
                 f"timeout_s={self.timeout_s:g}: the region's own ranks wait that long for the "
                 "one that asks the Lighthouse or moves the state"
+            )
+        if outer is None:
+            self._check_elastic_steps()
+            return
+        if outer.sync_every == AUTO or outer.codec == AUTO:
+            raise ValueError(
+                "elastic=... with outer.sync_every or outer.codec 'auto': give both (e.g. "
+                "sync_every=50, codec='quant', level=8); every region must know them before it "
+                "joins"
             )
         if outer.overlap:
             raise ValueError(

@@ -131,6 +131,13 @@ class CloudDDP(DistributedDataParallel):
                 "CloudDDP(model, config, optimizer=opt), with opt built on model.parameters() "
                 "before wrapping"
             )
+        if config.elastic is not None and optimizer is None:
+            raise ValueError(
+                "CloudDDP: an elastic run (config.elastic) needs the optimizer - a step whose "
+                "exchange failed is dropped, and a joining region receives its state: "
+                "CloudDDP(model, config, optimizer=opt), with opt built on model.parameters() "
+                "before wrapping"
+            )
         init(timeout_s=config.timeout_s)
         if "process_group" in ddp_kwargs:
             raise ValueError("CloudDDP makes its own process groups; do not pass process_group")
@@ -173,16 +180,7 @@ class CloudDDP(DistributedDataParallel):
             self.outer.buffers = self.region_buffers
         self.elastic = None
         if config.elastic is not None:  # this launch is one region of the run; it joins now
-            from .elastic import ElasticRegion, identity_of
-
-            def set_step(step: int) -> None:
-                comm.step = step
-
-            self.elastic = ElasticRegion(
-                config, topo, self.outer, self.module, set_step,
-                identity_of(_identity(self.module, config)),
-            )  # fmt: skip
-            self.outer.elastic = self.elastic
+            self.elastic = self._elastic_region(config, topo, optimizer)
             self.elastic.join()
         if topo.single_region and config.global_batch is not None:
             log.warning(
@@ -195,6 +193,32 @@ class CloudDDP(DistributedDataParallel):
                 "compression; set CLOUDTRAIN_REGION per host (or regions='per-rank') to compress"
             )
         log.info("cloudtrain: %s; config %s", topo.describe(), config.codec)
+
+    def _elastic_region(
+        self, config: CompressionConfig, topo: Topology, optimizer: torch.optim.Optimizer
+    ) -> Any:
+        """This launch's part in an elastic run (cloudtrain.elastic): the outer loop's syncs,
+        or, per step, the hook's exchanges (a failed one dropped between the optimizer's step
+        hooks)."""
+        from .elastic import ElasticRegion, ElasticSteps, identity_of
+        from .outer import check_optimizer
+        from .transfer import OuterReplica, StepReplica
+
+        comm, identity = self.comm, identity_of(_identity(self.module, config))
+        if self.outer is not None:
+
+            def set_step(step: int) -> None:
+                comm.step = step
+
+            replica = OuterReplica(self.outer, self.module, set_step)
+            self.outer.elastic = region = ElasticRegion(config, topo, replica, identity)
+            return region
+        check_optimizer(optimizer, list(self.module.parameters()))
+        comm.tolerate_failures()
+        steps = ElasticSteps(config, topo, StepReplica(comm, self.module, optimizer), identity)
+        optimizer.register_step_pre_hook(lambda *_: steps.before_step())
+        optimizer.register_step_post_hook(lambda *_: steps.after_step())
+        return steps
 
     @torch.no_grad()
     def _sync_across_regions(self, topo: Topology, ddp_kwargs: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""Regions that come and go: a region is the unit of failure of an outer-loop run.
+"""Regions that come and go: a region is the unit of failure of an elastic run.
 
     model = CloudDDP(model, CompressionConfig(outer=..., elastic={"min_regions": 2}), optimizer=opt)
     # every region launched on its own (its own torchrun), with CLOUDTRAIN_REGION and
@@ -12,7 +12,9 @@ Where each part lives:
 - cloudtrain.quorum: `decide`, a pure function of a quorum that every rank of every region
   computes alike - who is refused, who contributes, who joins and from whom;
 - cloudtrain.transfer: the live state transfer to a joiner, checked by sha256 and digest;
-- here: the sync over the regions present, redone until it commits.
+- here: the sync over the regions present, redone until it commits (`ElasticRegion`); per step,
+  without an outer loop, the hook's exchanges on the last quorum's groups, a failed step dropped
+  (`ElasticSteps`, docs/elastic.md "Per-step mode").
 
 Per quorum each rank makes one gloo group of its own (`cross_group`) with its shard's owners in
 the present regions (rank = region index), on the TCP store of the first contributor (kept while the
@@ -38,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -53,7 +55,7 @@ from .plan import Plan
 from .quorum import ElasticRefused, RegionLeft, View, identity_of
 from .stats import Scalars
 from .topology import AUTO_REGION, Topology
-from .transfer import StateTransfer, outer_digest
+from .transfer import StateTransfer
 
 __all__ = ["ElasticRefused", "ElasticRegion", "ElasticStats", "RegionLeft", "identity_of"]
 
@@ -131,15 +133,15 @@ class ElasticRegion:
         self,
         config: Any,
         topo: Topology,
-        loop: Any,
-        module: torch.nn.Module,
-        set_step: Callable[[int], None],
+        replica: Any,
         identity: dict[str, str],
     ) -> None:
         self.options = config.elastic
         region, address = _check_launch(self.options, topo)
         self.config = config
-        self.loop, self.module, self.set_step = loop, module, set_step
+        self.replica = replica
+        """What a joiner receives (cloudtrain.transfer: OuterReplica, StepReplica)."""
+        self.loop = getattr(replica, "loop", None)
         self.region, self.local, self.k = region, topo.rank, topo.world_size
         self.timeout = timedelta(seconds=self.options.exchange_timeout_s)
         self.group = control_group(config.timeout_s)  # the region's own gloo group
@@ -151,7 +153,7 @@ class ElasticRegion:
         )  # fmt: skip
         self.transfer = StateTransfer(
             region, self.group, self.local, self.k, self.options.exchange_timeout_s, self.stats,
-            loop, module,
+            replica,
         )  # fmt: skip
         self._stores: dict[str, Any] = {}
         self._received: dict[str, Any] | None = None
@@ -187,7 +189,7 @@ class ElasticRegion:
             self._group_key = ""
         try:
             return self.members.quorum(
-                step, fragment, self.commits, lambda: outer_digest(self.loop.global_),
+                step, fragment, self.commits, self.replica.digest,
                 self._group_key,
             )  # fmt: skip
         except ElasticRefused:
@@ -202,7 +204,7 @@ class ElasticRegion:
         self._write_scalars()
         log.warning(
             "cloudtrain elastic: region %s joined in %.1f s at step %s (regions %s)",
-            self.region, time.perf_counter() - t0, self.loop.step, list(view.regions),
+            self.region, time.perf_counter() - t0, self.replica.step, list(view.regions),
         )  # fmt: skip
 
     def sync(self, fragment: int) -> None:
@@ -228,7 +230,7 @@ class ElasticRegion:
     def _write_scalars(self) -> None:
         """Membership, stalls and recoveries so far, for TensorBoard, at the loop's step."""
         if self.scalars is not None:
-            self.scalars.write(self.loop.step, self.stats.scalars())
+            self.scalars.write(self.replica.step, self.stats.scalars())
 
     def _until_committed(self, step: int, fragment: int) -> View:
         """Quorums until one's sync commits. A region that took a state and then saw the sync
@@ -241,10 +243,9 @@ class ElasticRegion:
                 return view
             joining = joining or loaded
 
-    def _attempt(self, view: View) -> tuple[bool, bool]:
-        """One try at a quorum's sync: groups, the state transfer, the exchange, agreed inside
-        the region. (committed, a state was loaded); not committed: ask again."""
-        loop = self.loop
+    def _prepare(self, view: View) -> tuple[bool, Any, bool, bool]:
+        """A quorum's groups and state transfer, agreed inside the region: (done, the cross
+        group, a state was loaded, membership changed); not done: ask again."""
         changed = self.members.note(view)
         ok, cross, why = True, None, ""
         try:
@@ -259,12 +260,22 @@ class ElasticRegion:
         except CommError as e:
             ok, why = False, why or str(e)
         if not self._agree(ok):
-            return self._failed(view, why or "another rank of the region failed"), False
+            why = why or "another rank of the region failed"
+            return self._failed(view, why), cross, False, changed
         loaded = view.me in view.joiners
         if loaded:
             state, self._received = self._received, None
-            self.commits = self.transfer.load(view, state, self.set_step)
+            self.commits = self.transfer.load(view, state)
             changed = True
+        return True, cross, loaded, changed
+
+    def _attempt(self, view: View) -> tuple[bool, bool]:
+        """One try at a quorum's sync: groups, the state transfer, the exchange, agreed inside
+        the region. (committed, a state was loaded); not committed: ask again."""
+        loop = self.loop
+        ready, cross, loaded, changed = self._prepare(view)
+        if not ready:
+            return False, loaded
         if view.step < 0:  # all were starting: nobody syncs
             return self._committed(view, cross, changed, None), loaded
         fragment = view.fragment
@@ -346,14 +357,7 @@ class ElasticRegion:
         address = view.store
         t0 = time.perf_counter()
         try:
-            store = self._stores.get(address)
-            if store is None:
-                host, port = address.rsplit(":", 1)
-                store = dist.TCPStore(
-                    host, int(port), is_master=False, wait_for_workers=False, timeout=self.timeout
-                )
-                self._stores[address] = store
-            prefixed = dist.PrefixStore(f"{view.key}/cross{self.local}", store)
+            prefixed = dist.PrefixStore(f"{view.key}/cross{self.local}", self._store(address))
             ranks = [r * self.k + self.local for r in range(len(view.members))]
             release_group(self._group)
             self._group = None
@@ -373,23 +377,35 @@ class ElasticRegion:
                 )
             ) from e
 
+    def _store(self, address: str) -> Any:
+        """A client of the TCP store at `address` (kept: quorums reuse their leaders' stores)."""
+        store = self._stores.get(address)
+        if store is None:
+            host, port = address.rsplit(":", 1)
+            store = dist.TCPStore(
+                host, int(port), is_master=False, wait_for_workers=False, timeout=self.timeout
+            )
+            self._stores[address] = store
+        return store
+
     def _verify(self, view: View, cross: Any) -> None:
         """After a change of membership: every present region holds the same outer copy."""
         from .hook import ReplicaMismatch
 
-        mine = torch.tensor([outer_digest(self.loop.global_)], dtype=torch.int64)
+        mine = torch.tensor([self.replica.digest()], dtype=torch.int64)
         out = torch.zeros(len(view.members), dtype=torch.int64)
         t0 = time.perf_counter()
         try:
             self.transfer.wait(lambda: [all_gather_single(out, mine, group=cross, async_op=True)], view,
                        "the outer copy's check", t0)  # fmt: skip
         except CommError as e:
-            log.warning("cloudtrain elastic: outer copy check not done: %s", e)
+            log.warning("cloudtrain elastic: %s check not done: %s", self.replica.what, e)
             self._group_key = ""
             return
         if len(set(out.tolist())) != 1:
             raise ReplicaMismatch(
-                f"cloudtrain elastic: after step {view.step} the regions' outer copies differ: "
+                f"cloudtrain elastic: after step {view.step} the {self.replica.what} differs between "
+                "the regions: "
                 + ", ".join(
                     f"{m.region} {d:#x}" for m, d in zip(view.members, out.tolist(), strict=True)
                 )
@@ -403,3 +419,97 @@ class ElasticRegion:
 
     def snapshot(self) -> dict[str, Any]:
         return self.stats.snapshot()
+
+
+class ElasticSteps(ElasticRegion):
+    """This region's part in an elastic per-step run (docs/elastic.md, "Per-step mode"): every
+    step's gradients cross regions on the last quorum's groups; a step whose exchange failed is
+    dropped by every region that saw it fail and a new quorum is asked at once.
+
+    Between two steps (the optimizer's step hooks, CloudDDP registers them): `before_step`
+    agrees inside the region whether the step's exchange completed - where it did not, the
+    gradients are set to None (the optimizer then changes nothing), the hook's step and
+    residuals are put back as they were, and the step is not counted; `after_step` counts it and
+    asks a quorum every `quorum_every` steps, after a failed step, and before a region leaves on
+    a spot notice. A region that dropped a step the others completed is one step behind at the
+    next quorum and heals from a peer (its parameters, buffers, optimizer state and step; its
+    residuals start at zero). Every quorum whose membership changed points the hook at the
+    present regions (`CommState.use_regions`) and checks their parameters' digest."""
+
+    def __init__(self, config: Any, topo: Topology, replica: Any, identity: dict[str, str]) -> None:
+        super().__init__(config, topo, replica, identity)
+        self.comm = replica.comm
+        self.every = self.options.quorum_every
+        self._ok = True
+        self._region_groups: dict[int, Any] = {}
+
+    def _attempt(self, view: View) -> tuple[bool, bool]:
+        ready, cross, loaded, changed = self._prepare(view)
+        if not ready:
+            return False, loaded
+        if changed or cross is not self.comm.path.topo.groups.get(f"cross{self.local}"):
+            region = self._region_group(view)
+            topo = view_topology(view, self.local, self.k, region, cross)
+            if cross is None:  # alone: the region's own all-reduce, DDP's hook
+                topo.groups["dense"] = region
+            self.comm.use_regions(topo, self.timeout)
+        return self._committed(view, cross, changed, None), loaded
+
+    def _region_group(self, view: View) -> Any:
+        """The region's own group, its ranks numbered as in `view`, where it is region `me`
+        (rank me*k + i; `cross_group`): the hook's reduce-scatter addresses them so. Made once
+        per index, on the region's first rank's store."""
+        if self.k == 1:
+            return None
+        me = view.me
+        group = self._region_groups.get(me)
+        if group is None:
+            prefixed = dist.PrefixStore(
+                f"{view.members[me].replica_id}/region{me}",
+                self._store(self.members.store_address),
+            )
+            ranks = [me * self.k + i for i in range(self.k)]
+            group = cross_group(prefixed, self.local, self.k, self.timeout, ranks)
+            self._region_groups[me] = group
+        return group
+
+    def before_step(self) -> None:
+        """Before the optimizer's step (every rank of the region): drop the step where any rank
+        of the region saw its exchange fail."""
+        failure = self.comm.step_failure
+        self._ok = self._agree(failure is None)
+        if self._ok:
+            return
+        self.comm.drop_step()
+        for p in self.replica.module.parameters():
+            p.grad = None
+        self.stats.failed_syncs += 1
+        self._group_key = ""  # a group a collective failed on is not used again
+        log.warning(
+            "cloudtrain elastic: region %s dropped step %s (regions %s): %s", self.region,
+            self.comm.step, list(self.members.last),
+            (str(failure) if failure else "another rank of the region failed").splitlines()[0],
+        )  # fmt: skip
+
+    def after_step(self) -> None:
+        """After the optimizer's step: count it; a quorum when due (module docstring); then,
+        after a spot notice, the region leaves (RegionLeft)."""
+        if self._ok:
+            self.commits += 1
+        leaving = self.guard is not None and self.guard.should_stop()
+        if leaving:
+            self.stats.left = True
+            self.close()
+            log.warning(
+                "cloudtrain elastic: region %s leaves after step %s (spot notice)",
+                self.region, self.comm.step,
+            )  # fmt: skip
+            raise RegionLeft(f"region {self.region} left the run after step {self.comm.step}")
+        if self._ok and self.commits % self.every:
+            return
+        t0 = time.perf_counter()
+        self._until_committed(self.comm.step, 0)
+        took = time.perf_counter() - t0
+        self.stats.last_sync_s = took
+        self.stats.longest_sync_s = max(self.stats.longest_sync_s, took)
+        self._write_scalars()

@@ -72,13 +72,26 @@ class _Job:
 
 
 class FailureRelay:
-    """Delivers a failure into `backward()` as itself, and fails every later bucket at once."""
+    """Delivers a failure into `backward()` as itself, and fails every later bucket at once.
 
-    __slots__ = ("_futures", "error")
+    Tolerant (an elastic per-step run): a CommError fails the step, not the run - its buckets
+    and every later one of the step complete with zeros, `step_error` holds it, and the elastic
+    region drops the step (cloudtrain.elastic.ElasticSteps)."""
+
+    __slots__ = ("_futures", "error", "step_error", "tolerant")
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
         self._futures: list[torch.futures.Future] | None = None
+        self.tolerant = False
+        self.step_error: BaseException | None = None
+
+    def soft(self, e: BaseException) -> bool:
+        """Tolerant and `e` a lost peer: recorded as the step's failure (True); else False."""
+        if not (self.tolerant and isinstance(e, CommError)):
+            return False
+        self.step_error = self.step_error or e
+        return True
 
     def fail(self, e: BaseException) -> BaseException:
         """Record `e` (the first failure stays) and return the one to raise."""
@@ -164,6 +177,9 @@ class CommThread:
             if self._relay.error is not None:
                 job.future.set_exception(self._relay.error)
                 continue
+            if self._relay.step_error is not None:  # the step failed: nothing more crosses
+                job.future.set_result(job.buffer.zero_())
+                continue
             waiting.append(job)
             try:
                 if job.ready is None:
@@ -175,9 +191,14 @@ class CommThread:
                     # comm stream, so DDP waits for the GPU work it stands for
                     self._complete(self._work(job), waiting)
             except BaseException as e:
-                self._relay.error = e
+                soft = self._relay.soft(e)
+                if not soft:
+                    self._relay.error = e
                 for stuck in waiting:  # nothing waits for a collective that will not come
-                    stuck.future.set_exception(e)
+                    if soft:
+                        stuck.future.set_result(stuck.buffer.zero_())
+                    else:
+                        stuck.future.set_exception(e)
                 waiting.clear()
 
     @staticmethod
@@ -216,6 +237,8 @@ class CommState:
         "plan",
         "step",
         "_first_of_step",
+        "_begun",
+        "_saved",
         # samples trained on: in all, and in the forwards of the step now computed; with a
         # global batch, each rank's share of it (cloudtrain.shares)
         "samples",
@@ -245,6 +268,7 @@ class CommState:
         self.config, self.topo = config, topo
         self.layouts = BucketLayouts(params, names)
         self.step, self._first_of_step = 0, True
+        self._begun, self._saved = 0, None
         self.samples, self._step_samples = 0, 0
         self.shares = None
         if config.global_batch is not None:
@@ -303,6 +327,8 @@ class CommState:
         nothing compressed and nothing in the pipeline."""
         if self.topo.single_region or self.region_only:
             return True
+        if self._relay.tolerant:  # an elastic run has no group of every region's ranks
+            return False
         return self.plan.lossless and self.plan.staleness == 0 and not self.pipeline
 
     def count_samples(self, n: int) -> None:
@@ -316,6 +342,10 @@ class CommState:
         try:
             fut = self._submit(bucket)
         except Exception as e:
+            if self._relay.soft(e):
+                fut = torch.futures.Future()
+                fut.set_result(bucket.buffer().zero_())
+                return fut
             self._relay.fail(e)
             fut = self._relay.failed()
         self._relay.watch(fut)
@@ -325,6 +355,8 @@ class CommState:
         """The plain path now, or the bucket onto the communication thread (`_reduce`)."""
         if self._relay.error is not None:
             raise self._relay.error
+        if self._relay.step_error is not None:
+            raise self._relay.step_error
         buffer = bucket.buffer()
         index, last = bucket.index(), bucket.is_last()
         self.stats.buckets = max(self.stats.buckets, index + 1)
@@ -436,6 +468,8 @@ class CommState:
                 self.layouts.written(signature, result)
                 return result
             except Exception as e:
+                if self._relay.soft(e):
+                    return buffer.zero_()
                 raise self._relay.fail(e) from None
 
         return summed.then(done)
@@ -477,6 +511,9 @@ class CommState:
         if not self._first_of_step:
             return
         self._first_of_step = False
+        self._begun = self.step
+        if self._relay.tolerant and self.ef is not None:  # put back if the step is dropped
+            self._saved = {key: r.clone() for key, r in self.ef.residuals.items()}
         self.layouts.watch_backward()
         every = self.config.verify_every
         if every and self.step and self.step % every == 0:
@@ -488,6 +525,38 @@ class CommState:
             )  # fmt: skip
             if self.plan.lossless:  # compression stops: what it kept back goes into the gradients
                 self.layouts.release_residuals(self.ef)
+
+    # -- elastic per-step runs (cloudtrain.elastic.ElasticSteps) ----------------------------------
+    def tolerate_failures(self) -> None:
+        """A lost peer fails the step, not the run (FailureRelay); plans never pipeline."""
+        self._relay.tolerant = True
+
+    @property
+    def step_failure(self) -> BaseException | None:
+        """The CommError of the step just reduced (tolerant), or None."""
+        return self._relay.step_error
+
+    def use_regions(self, topo: Topology, timeout: Any) -> None:
+        """Buckets cross the regions of `topo` from the next step (a quorum's present regions,
+        on its groups): the data path keeps its codecs, residuals and counters."""
+        old = self.path
+        self.topo = topo
+        self.path = CrossRegion(self.config, topo, old.codecs, old.ef, old.stats)
+        self.path.timeout = timeout
+        self.plan = first_plan(self.config, topo, old.codecs, None)
+
+    def drop_step(self) -> None:
+        """The step whose exchange failed is undone on this rank (between steps; the thread is
+        idle): its count, what it held back (the residuals as they were before it), its
+        exchanges."""
+        self.step, self._first_of_step = self._begun, True
+        self._open.clear()
+        if self.ef is not None and self._saved is not None:
+            self.ef.reset()
+            for key, r in self._saved.items():
+                self.ef.put(key, r)
+        self._saved = None
+        self._relay.step_error = None
 
     def _end_step(self) -> None:
         self._first_of_step = True

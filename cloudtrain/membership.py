@@ -33,7 +33,8 @@ log = logging.getLogger("cloudtrain")
 
 @dataclass
 class ElasticStats:
-    """What membership cost this region (CloudDDP.stats().elastic)."""
+    """What membership cost this region (CloudDDP.stats().elastic). In per-step mode a "sync"
+    is a quorum (every elastic.quorum_every steps) and a failed one a dropped step."""
 
     regions: tuple[str, ...] = ()
     quorum_id: int = -1

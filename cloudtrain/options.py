@@ -266,8 +266,8 @@ class ElasticConfig:
     """Regions that come and go (cloudtrain.elastic, docs/elastic.md): each region is launched on
     its own and joins the run through a torchft Lighthouse; a lost region's survivors go on, a
     restarted or new region gets the live state from a peer and is counted from the next sync.
-    Outer loop only (CompressionConfig(outer=...)), with a fixed sync_every and codec and no
-    overlap."""
+    The outer loop (CompressionConfig(outer=...)) with a fixed sync_every and codec and no
+    overlap; or per step with a fixed codec and staleness 0."""
 
     lighthouse: str | None = None
     """The torchft Lighthouse's address ("http://host:port"); None: TORCHFT_LIGHTHOUSE. (Not part
@@ -293,6 +293,11 @@ class ElasticConfig:
     heartbeat_s: float = 0.1
     """Seconds between the region's heartbeats to the Lighthouse."""
 
+    quorum_every: int = 10
+    """Per-step mode: steps between two quorums. A region lost in between is noticed by the
+    exchange it fails, whose step is dropped and a quorum asked at once; a joining region waits
+    for the others' next quorum, at most this many steps. (The outer loop asks at every sync.)"""
+
     spot: bool = False
     """Watch the EC2 spot notice on every rank (cloudtrain.spot.SpotWatcher); a notice makes the
     region leave after the next sync, its pseudo-gradient handed over."""
@@ -313,6 +318,7 @@ class ElasticConfig:
         _number("elastic.exchange_timeout_s", self.exchange_timeout_s, 0, 86400, open_lo=True)
         _number("elastic.quorum_timeout_s", self.quorum_timeout_s, 0, 86400, open_lo=True)
         _number("elastic.heartbeat_s", self.heartbeat_s, 0, 60, open_lo=True)
+        _number("elastic.quorum_every", self.quorum_every, 1, 2**31 - 1, integer=True)
         if not isinstance(self.spot, bool):
             raise ValueError(f"elastic.spot={self.spot!r} must be True or False")
         _number("elastic.spot_poll_s", self.spot_poll_s, 0, 3600, open_lo=True)

@@ -1,13 +1,13 @@
 """Live state transfer to a joining region (cloudtrain.elastic).
 
-A joiner receives the state (outer copy, momentum, inner optimizer state, buffers, the step and
-the schedule) from its source region, decided by cloudtrain.quorum: rank j of the source sends
-chunk j to rank j of the joiner on their quorum's cross group (k parallel flows, each 1/k of
-the bytes; zstd where it pays), the joiner's ranks gather the chunks inside their region, check
-the sha256 the source sent and the outer copy's digest the source announced in the quorum.
-Its parameters become the outer copy, so its pseudo-gradient at that sync is exactly zero.
+A joiner receives the state - an outer-loop region's outer copy, momentum, inner optimizer
+state, buffers, step and schedule (`OuterReplica`); a per-step region's parameters, buffers,
+optimizer state and step (`StepReplica`) - from its source region, decided by cloudtrain.quorum:
+rank j of the source sends chunk j to rank j of the joiner on their quorum's cross group (k
+parallel flows, each 1/k of the bytes; zstd where it pays), the joiner's ranks gather the chunks
+inside their region, check the sha256 the source sent and the digest (of the outer copy, or of
+the parameters) the source announced in the quorum.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -56,34 +56,17 @@ class StateTransfer:
         k: int,
         timeout_s: float,
         stats: Any,
-        loop: Any,
-        module: torch.nn.Module,
+        replica: Any,
     ) -> None:
         self.region, self.group, self.local, self.k = region, group, local, k
         self.timeout_s, self.timeout = timeout_s, timedelta(seconds=timeout_s)
         self.stats = stats
         """The region's ElasticStats (recovery bytes and seconds)."""
-        self.loop, self.module = loop, module
+        self.replica = replica
+        """What is moved: an OuterReplica or a StepReplica."""
 
     def payload(self, commits: int) -> dict[str, Any]:
-        from .outer_state import cpu_copy
-
-        loop = self.loop
-        trainable = {id(p) for p in loop.params}
-        rest = {
-            name: t.detach().cpu().clone()
-            for name, t in self.module.state_dict(keep_vars=True).items()
-            if id(t) not in trainable
-        }
-        return {
-            "step": loop.step,
-            "commits": commits,
-            "global": [g.detach().cpu().clone() for g in loop.global_],
-            "momentum": [None if m is None else m.detach().cpu().clone() for m in loop.momentum],
-            "optimizer": cpu_copy(loop.optimizer.state_dict()),
-            "module": rest,
-            "schedule": dataclasses.asdict(loop.schedule),
-        }
+        return {"step": self.replica.step, "commits": commits, **self.replica.payload()}
 
     def send(self, view: View, cross: Any, commits: int) -> None:
         """A source region's ranks send the state to its joiners (module docstring): rank 0
@@ -126,7 +109,7 @@ class StateTransfer:
         self.wait(start, view, "sending the state", t0)
         sent = len(mine) * (HEADER_BYTES + piece.numel())
         self.stats.recovery_bytes_sent += sent
-        self.loop.stats.wan_bytes_sent += sent
+        self.replica.stats.wan_bytes_sent += sent
         self.stats.recovery_s += time.perf_counter() - t0
 
     def wait(self, start: Callable[[], list[Any]], view: View, stage: str, t0: float) -> None:
@@ -202,19 +185,71 @@ class StateTransfer:
                 f"{view.members[src].region} does not match its sha256: not used"
             )
         state = torch.load(io.BytesIO(wire), weights_only=False)
-        if outer_digest(state["global"]) != view.members[src].digest:
+        if self.replica.digest_of(state) != view.members[src].digest:
             raise CommError(
-                f"cloudtrain elastic: the outer copy received from region "
+                f"cloudtrain elastic: the {self.replica.what} received from region "
                 f"{view.members[src].region} differs from the one it announced: not used"
             )
         self.stats.recovery_s += time.perf_counter() - t0
         return state
 
+    def load(self, view: View, state: dict[str, Any]) -> int:
+        """A joiner takes the state received (the replica's `load`). Returns the source's count
+        of committed syncs (or steps)."""
+        self.replica.load(state)
+        log.warning(
+            "cloudtrain elastic: region %s took the state of region %s at step %s (%d bytes "
+            "received by this rank)", self.region, view.members[view.sources[view.me]].region,
+            state["step"], self.stats.recovery_bytes_received,
+        )  # fmt: skip
+        return int(state["commits"])
+
+
+class OuterReplica:
+    """An outer-loop region's state: the outer copy, momentum, inner optimizer state, the
+    module's other tensors (buffers), the step and the schedule. A joiner's parameters become
+    the outer copy, so its pseudo-gradient at the sync it joins is exactly zero."""
+
+    what = "outer copy"
+
+    def __init__(self, loop: Any, module: torch.nn.Module, set_step: Callable[[int], None]) -> None:
+        self.loop, self.module, self.set_step = loop, module, set_step
+
+    @property
+    def step(self) -> int:
+        return self.loop.step
+
+    @property
+    def stats(self) -> Any:
+        return self.loop.stats
+
+    def digest(self) -> int:
+        return outer_digest(self.loop.global_)
+
+    @staticmethod
+    def digest_of(state: dict[str, Any]) -> int:
+        return outer_digest(state["global"])
+
+    def payload(self) -> dict[str, Any]:
+        from .outer_state import cpu_copy
+
+        loop = self.loop
+        trainable = {id(p) for p in loop.params}
+        rest = {
+            name: t.detach().cpu().clone()
+            for name, t in self.module.state_dict(keep_vars=True).items()
+            if id(t) not in trainable
+        }
+        return {
+            "global": [g.detach().cpu().clone() for g in loop.global_],
+            "momentum": [None if m is None else m.detach().cpu().clone() for m in loop.momentum],
+            "optimizer": cpu_copy(loop.optimizer.state_dict()),
+            "module": rest,
+            "schedule": dataclasses.asdict(loop.schedule),
+        }
+
     @torch.no_grad()
-    def load(self, view: View, state: dict[str, Any], set_step: Callable[[int], None]) -> int:
-        """A joiner takes the state received: the outer copy as its parameters (so its
-        pseudo-gradient is zero), the source's momentum, inner optimizer state, buffers, step.
-        Returns the source's count of committed syncs."""
+    def load(self, state: dict[str, Any]) -> None:
         from .outer import Schedule
 
         loop = self.loop
@@ -223,18 +258,59 @@ class StateTransfer:
         loop.momentum = [None if m is None else m.to(device) for m in state["momentum"]]
         loop.schedule = Schedule.from_state(state["schedule"])
         loop.optimizer.load_state_dict(state["optimizer"])
-        own = self.module.state_dict(keep_vars=True)
-        for name, value in state["module"].items():
-            own[name].detach().copy_(value)
+        _copy_into(self.module, state["module"])
         for f in range(loop.fragments):
             loop.parts.write(f, loop.global_[f].float())
         if loop.ef is not None:
             loop.ef.reset()  # nothing of this region's was held back
         loop.step = int(state["step"])
-        set_step(loop.step)
-        log.warning(
-            "cloudtrain elastic: region %s took the state of region %s at step %s (%d bytes "
-            "received by this rank)", self.region, view.members[view.sources[view.me]].region,
-            loop.step, self.stats.recovery_bytes_received,
-        )  # fmt: skip
-        return int(state["commits"])
+        self.set_step(loop.step)
+
+
+class StepReplica:
+    """A per-step region's state between two steps: the module's parameters and buffers, the
+    optimizer's state and the step. Error-feedback residuals are not moved: a joiner has held
+    nothing back (its residuals start at zero) and the source keeps its own."""
+
+    what = "parameter set"
+
+    def __init__(
+        self, comm: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self.comm, self.module, self.optimizer = comm, module, optimizer
+
+    @property
+    def step(self) -> int:
+        return self.comm.step
+
+    @property
+    def stats(self) -> Any:
+        return self.comm.stats
+
+    def digest(self) -> int:
+        return outer_digest(list(self.module.parameters()))
+
+    def digest_of(self, state: dict[str, Any]) -> int:
+        names = [name for name, _ in self.module.named_parameters()]
+        return outer_digest([state["module"][name] for name in names])
+
+    def payload(self) -> dict[str, Any]:
+        from .outer_state import cpu_copy
+
+        module = {n: t.detach().cpu().clone() for n, t in self.module.state_dict().items()}
+        return {"module": module, "optimizer": cpu_copy(self.optimizer.state_dict())}
+
+    @torch.no_grad()
+    def load(self, state: dict[str, Any]) -> None:
+        _copy_into(self.module, state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.comm.ef is not None:
+            self.comm.ef.reset()
+        self.comm.step = int(state["step"])
+
+
+def _copy_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """The received tensors into the module's own, by name (shapes were agreed by identity)."""
+    own = module.state_dict(keep_vars=True)
+    for name, value in tensors.items():
+        own[name].detach().copy_(value)

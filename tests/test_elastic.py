@@ -83,8 +83,15 @@ def test_elastic_config_says_what_it_needs() -> None:
     from cloudtrain import CompressionConfig
     from cloudtrain.config import OuterConfig
 
-    with pytest.raises(ValueError, match="needs the outer loop"):
+    with pytest.raises(ValueError, match="per step with codec 'auto'.*fixed codec"):
         CompressionConfig(elastic=True)
+    with pytest.raises(ValueError, match="staleness=1"):
+        CompressionConfig(codec="topk", level=0.01, staleness=1, elastic=True)
+    with pytest.raises(ValueError, match="verify_every=5"):
+        CompressionConfig(codec="topk", level=0.01, verify_every=5, elastic=True)
+    with pytest.raises(ValueError, match="quorum_every"):
+        CompressionConfig(codec="topk", level=0.01, elastic={"quorum_every": 0})
+    assert CompressionConfig(codec="topk", level=0.01, elastic=True).elastic.quorum_every == 10
     with pytest.raises(ValueError, match="outer.sync_every or outer.codec 'auto'"):
         CompressionConfig(outer=OuterConfig(), elastic=True)
     with pytest.raises(ValueError, match="unknown elastic options"):
@@ -183,6 +190,47 @@ def test_region_killed_survivors_go_on_and_it_rejoins_bit_identical(tmp_path) ->
             assert b["elastic"]["recovery_bytes_received"] > 0
             assert a["elastic"]["recovery_bytes_sent"] == b["elastic"]["recovery_bytes_received"]
             first_sync_after_join_equal(cluster, "r0", again)
+    finally:
+        teardown(name)
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_per_step_region_killed_survivors_drop_one_step_and_it_rejoins(tmp_path) -> None:
+    """Per-step mode (every step's gradients cross, 8-bit with error feedback), 2 regions x 2
+    ranks at 200 Mbit/s, 80 ms: SIGKILL every process of r1 at step 30. r0's exchange fails at
+    once (the peer's connections close), it drops that one step - nothing applied, its step and
+    residuals as before it - asks a quorum without r1 and goes on; its longest step is within
+    detection + one normal step. r1 started again with the same command heals from r0 at r0's
+    next quorum and equals it bit for bit from then on."""
+    from cloudtrain.tools.netem import Emulator, teardown
+
+    name = f"es{os.getpid() % 10000}-{uuid.uuid4().hex[:3]}"
+    try:
+        with (
+            Emulator({"r0": 2, "r1": 2, "lh": 1}, 200, rtt_ms=80, name=name) as wan,
+            cluster_on(wan, ["r0", "r1"], worker_args(260, 0.02, mode="step"), tmp_path) as cluster,
+        ):
+            r0, r1 = cluster.start("r0"), cluster.start("r1")
+            wait_until(lambda: r1.step >= 30, 120, "r1 at step 30")
+            r1.kill()
+            again = cluster.start("r1")
+            cluster.wait(240)
+            around = chaos.survivors_around(cluster, r1)["r0"]
+            print("per-step kill figures:", around, "rejoined", chaos.rejoined_s(cluster, again))
+            assert around["detected_s"] is not None and around["detected_s"] <= HEARTBEAT_S + 3.0
+            normal = around["normal_step_s"]
+            assert around["longest_step_s"] <= HEARTBEAT_S + normal + 1.0, around
+            assert r0.procs[0].returncode == 0 and again.procs[0].returncode == 0
+            a, b = r0.result, again.result
+            assert a["steps"] == b["steps"] == 260 and a["digest"] == b["digest"]
+            assert a["elastic"]["lost"] == ["r1"] and "r1" in a["elastic"]["joined"]
+            assert a["elastic"]["failed_syncs"] >= 1  # the step r1 died in, dropped
+            assert (
+                a["elastic"]["recovery_bytes_sent"] == b["elastic"]["recovery_bytes_received"] > 0
+            )
+            first_sync_after_join_equal(cluster, "r0", again)
+            assert a["accuracy"] > 0.9, a
     finally:
         teardown(name)
 
@@ -289,6 +337,27 @@ def test_chaos_random_kills_and_restarts_end_with_equal_replicas(tmp_path) -> No
     assert report["replicas_equal"], report["results"]
     steps = {r["steps"] for r in report["results"].values()}
     assert len(steps) == 1 and steps.pop() < 5000, report["results"]  # ended at the stop step
+
+
+@pytest.mark.timeout(240)
+def test_per_step_chaos_random_kills_and_restarts_end_with_equal_replicas(tmp_path) -> None:
+    """The chaos run in per-step mode: 3 regions of one rank on loopback, 5 random kills and
+    restarts; every region ends at the same step with the same parameters."""
+    parser = argparse.ArgumentParser()
+    chaos.configure(parser)
+    args = parser.parse_args(
+        ["--scenario", "chaos", "--mode", "step", "--local", "--regions", "3", "--ranks", "1",
+         "--events", "5", "--min-gap", "1.5", "--max-gap", "3", "--steps", "5000", "--pace",
+         "0.04", "--heartbeat", str(HEARTBEAT_S), "--timeout", "150", "--logs", str(tmp_path),
+         "--seed", "4"]
+    )  # fmt: skip
+    report = chaos.run_scenario(args)
+    print("per-step chaos:", report["events"], report["around_kills"])
+    kinds = [kind for kind, *_ in report["events"]]
+    assert len(kinds) >= 5 and "kill" in kinds and "start" in kinds, kinds
+    assert report["replicas_equal"], report["results"]
+    steps = {r["steps"] for r in report["results"].values()}
+    assert len(steps) == 1 and steps.pop() < 5000, report["results"]
 
 
 @pytest.mark.timeout(240)

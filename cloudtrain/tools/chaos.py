@@ -8,7 +8,7 @@ Every region is launched on its own (its own processes, its own torch.distribute
 own torchrun would), in its namespaces of the emulated network (cloudtrain.tools.netem); a
 Lighthouse (`cloudtrain lighthouse`) runs in a namespace of its own. Each region trains the
 digits MLP with the outer loop (CompressionConfig(outer=..., elastic=...)) on its own draws of
-the data. Scenarios:
+the data (`--mode step`: per-step mode, every step's gradients crossing). Scenarios:
 
 - `kill`: at step --kill-at every process of the last region gets SIGKILL; --restart-after
   seconds later it is started again with the same command and rejoins;
@@ -56,7 +56,6 @@ def _config(args: argparse.Namespace) -> Any:
     import cloudtrain
     from cloudtrain.config import OuterConfig
 
-    outer = OuterConfig(sync_every=args.sync_every, codec=args.codec, level=args.level)
     elastic = {
         "min_regions": args.min_regions,
         "start_regions": args.start_regions,
@@ -66,6 +65,12 @@ def _config(args: argparse.Namespace) -> Any:
         "spot_poll_s": args.spot_poll,
     }
     board = {"tensorboard_dir": args.tensorboard} if args.tensorboard else {}
+    if args.mode == "step":  # every step's gradients cross, a quorum every --sync-every steps
+        return cloudtrain.CompressionConfig(
+            codec=args.codec, level=args.level, elastic={**elastic, "quorum_every": args.sync_every},
+            timeout_s=120, controller=board,
+        )  # fmt: skip
+    outer = OuterConfig(sync_every=args.sync_every, codec=args.codec, level=args.level)
     return cloudtrain.CompressionConfig(
         codec="none", error_feedback=False, outer=outer, elastic=elastic, timeout_s=120,
         controller=board,
@@ -424,7 +429,7 @@ class Cluster:
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
     return [
-        "--engine", args.engine, "--steps", str(args.steps), "--sync-every", str(args.sync_every),
+        "--engine", args.engine, "--mode", args.mode, "--steps", str(args.steps), "--sync-every", str(args.sync_every),
         "--codec", args.codec, "--level", str(args.level), "--min-regions", str(args.min_regions),
         "--start-regions", str(args.start_regions or args.regions),
         "--hidden", str(args.hidden), "--batch", str(args.batch), "--lr", str(args.lr),
@@ -632,6 +637,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mbit", type=float, default=200.0)
     parser.add_argument("--rtt-ms", type=float, default=80.0)
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument(
+        "--mode", choices=("outer", "step"), default="outer",
+        help="outer: the outer loop syncs every --sync-every steps; step: every step's gradients "
+        "cross regions (per-step mode), a quorum every --sync-every steps",
+    )  # fmt: skip
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--codec", default="quant")
     parser.add_argument("--level", type=int, default=8)
