@@ -405,7 +405,10 @@ class CompressionConfig:
         if fields["elastic"] is None:  # (as zstd)
             del fields["elastic"]
         else:  # the Lighthouse's address may differ per region, like the timeout
-            fields["elastic"] = dataclasses.replace(fields["elastic"], lighthouse=None)
+            elastic = repr(dataclasses.replace(fields["elastic"], lighthouse=None))
+            if self.elastic.quorum_every == 10:  # (as outer's later fields) the default
+                elastic = elastic.replace(" quorum_every=10,", "")
+            fields["elastic"] = elastic
         if fields["global_batch"] is None:  # (as zstd)
             del fields["global_batch"]
         # where a rank writes TensorBoard metrics may differ per rank (another host's folder), and

@@ -98,6 +98,16 @@ def check_agreement(module: torch.nn.Module, config: CompressionConfig) -> None:
                 )
 
 
+def _region_group(topo: Topology) -> Any:
+    """This rank's region's group; with one region (e.g. one region of an elastic run) every rank
+    is in it: the group of all. None for a region of one rank."""
+    if len(topo.members[topo.region]) == 1:
+        return None
+    if topo.single_region:
+        return topo.groups.get("dense")
+    return topo.groups.get(f"region{topo.region}")
+
+
 def batch_of(inputs: tuple, kwargs: dict[str, Any]) -> int:
     """A forward's samples: the leading dimension of its first tensor argument (1 if none)."""
     for value in (*inputs, *kwargs.values()):
@@ -112,7 +122,8 @@ class CloudDDP(DistributedDataParallel):
     config: a CompressionConfig, a preset name ("auto", "none", "fp16", "topk-1pct", "cocktail",
     "diloco", ...) or a codec spec ("topk:0.01"). optimizer: the inner optimizer, built on
     module.parameters() before wrapping - required with an outer loop (config.outer, e.g.
-    "diloco"; cloudtrain.outer), accepted and unused otherwise. Other keyword arguments go to
+    "diloco"; cloudtrain.outer) and in an elastic run (config.elastic), accepted and unused
+    otherwise. Other keyword arguments go to
     DistributedDataParallel.
     """
 
@@ -175,8 +186,7 @@ class CloudDDP(DistributedDataParallel):
         reconciled across regions at syncs (cloudtrain.buffers); None otherwise."""
         if outer and getattr(self, "forward_sync_buffers", self.broadcast_buffers):
             self.forward_sync_buffers = self.broadcast_buffers = False  # (torch >= 2.13; older)
-            region_group = topo.groups.get(f"region{topo.region}")
-            self.region_buffers = RegionBuffers.of(self.module, region_group)
+            self.region_buffers = RegionBuffers.of(self.module, _region_group(topo))
             self.outer.buffers = self.region_buffers
         self.elastic = None
         if config.elastic is not None:  # this launch is one region of the run; it joins now
@@ -216,6 +226,7 @@ class CloudDDP(DistributedDataParallel):
         check_optimizer(optimizer, list(self.module.parameters()))
         comm.tolerate_failures()
         steps = ElasticSteps(config, topo, StepReplica(comm, self.module, optimizer), identity)
+        steps.buffers = RegionBuffers.of(self.module, _region_group(topo))
         optimizer.register_step_pre_hook(lambda *_: steps.before_step())
         optimizer.register_step_post_hook(lambda *_: steps.after_step())
         return steps
@@ -319,7 +330,11 @@ class CloudDDP(DistributedDataParallel):
             self.elastic.close()
 
     def verify_replicas(self) -> None:
-        """Check now that all replicas' parameters agree bit for bit (all ranks must call it)."""
+        """Check now that all replicas' parameters agree bit for bit (all ranks must call it;
+        per step in an elastic run: all ranks of the regions present)."""
+        if self.outer is None and self.elastic is not None:
+            self.elastic.verify()
+            return
         self.comm.verify_replicas()
 
     def stats(self) -> CommStats:

@@ -397,7 +397,7 @@ class ElasticRegion:
         t0 = time.perf_counter()
         try:
             self.transfer.wait(lambda: [all_gather_single(out, mine, group=cross, async_op=True)], view,
-                       "the outer copy's check", t0)  # fmt: skip
+                       f"the {self.replica.what}'s check", t0)  # fmt: skip
         except CommError as e:
             log.warning("cloudtrain elastic: %s check not done: %s", self.replica.what, e)
             self._group_key = ""
@@ -430,48 +430,112 @@ class ElasticSteps(ElasticRegion):
     agrees inside the region whether the step's exchange completed - where it did not, the
     gradients are set to None (the optimizer then changes nothing), the hook's step and
     residuals are put back as they were, and the step is not counted; `after_step` counts it and
-    asks a quorum every `quorum_every` steps, after a failed step, and before a region leaves on
-    a spot notice. A region that dropped a step the others completed is one step behind at the
-    next quorum and heals from a peer (its parameters, buffers, optimizer state and step; its
-    residuals start at zero). Every quorum whose membership changed points the hook at the
-    present regions (`CommState.use_regions`) and checks their parameters' digest."""
+    asks a quorum every `quorum_every` steps and after a failed step; after a spot notice the
+    region leaves instead (it holds nothing the others need). A region that dropped a step the
+    others completed is one step behind at the next quorum and heals from a peer (its
+    parameters, buffers, optimizer state, step and bucket layouts; its residuals start at
+    zero). Every quorum whose groups changed points the hook at the present regions
+    (`CommState.use_regions`); one whose membership changed checks their parameters' digest;
+    every quorum makes their buffers equal."""
 
     def __init__(self, config: Any, topo: Topology, replica: Any, identity: dict[str, str]) -> None:
         super().__init__(config, topo, replica, identity)
         self.comm = replica.comm
         self.every = self.options.quorum_every
+        self.buffers: Any = None
+        """The module's buffers (cloudtrain.buffers), made equal across regions at every quorum:
+        DDP broadcasts them inside the region only, as its process group is the region."""
         self._ok = True
+        self._view: View | None = None
+        """The last quorum's view whose groups the hook uses."""
         self._region_groups: dict[int, Any] = {}
+        self._generation = 0
+        """Dropped steps so far: the region's groups are made anew after one (a collective one
+        rank issued alone leaves a gloo group unusable)."""
 
     def _attempt(self, view: View) -> tuple[bool, bool]:
         ready, cross, loaded, changed = self._prepare(view)
         if not ready:
             return False, loaded
-        if changed or cross is not self.comm.path.topo.groups.get(f"cross{self.local}"):
+        why = ""
+        try:
             region = self._region_group(view)
+        except CommError as e:
+            region, why = None, str(e)
+        if not self._agree(not why):  # a retry starts anew, on keys nobody half-wrote
+            self._new_region_groups()
+            return self._failed(view, why or "another rank of the region failed"), loaded
+        held = self.comm.path.topo.groups
+        if (
+            changed
+            or held.get(f"cross{self.local}") is not cross
+            or (held.get(f"region{view.me}") is not region)
+        ):
             topo = view_topology(view, self.local, self.k, region, cross)
             if cross is None:  # alone: the region's own all-reduce, DDP's hook
                 topo.groups["dense"] = region
             self.comm.use_regions(topo, self.timeout)
+        self._view = view
+        if self.buffers is not None:
+            self._reconcile_buffers(view, cross)
         return self._committed(view, cross, changed, None), loaded
+
+    def _reconcile_buffers(self, view: View, cross: Any) -> None:
+        """(ElasticRegion's, on this run's buffers.)"""
+        try:
+            self.buffers.across_regions(cross, self.timeout, f" at step {view.step}")
+        except CommError as e:
+            log.warning("cloudtrain elastic: buffers not reconciled at step %s: %s", view.step, e)
+            self._group_key = ""
+        self.buffers.in_region()
 
     def _region_group(self, view: View) -> Any:
         """The region's own group, its ranks numbered as in `view`, where it is region `me`
         (rank me*k + i; `cross_group`): the hook's reduce-scatter addresses them so. Made once
-        per index, on the region's first rank's store."""
+        per index and generation, on the region's first rank's store."""
         if self.k == 1:
             return None
         me = view.me
         group = self._region_groups.get(me)
-        if group is None:
+        if group is not None:
+            return group
+        t0 = time.perf_counter()
+        try:
             prefixed = dist.PrefixStore(
-                f"{view.members[me].replica_id}/region{me}",
+                f"{view.members[me].replica_id}/region{me}/{self._generation}",
                 self._store(self.members.store_address),
             )
             ranks = [me * self.k + i for i in range(self.k)]
             group = cross_group(prefixed, self.local, self.k, self.timeout, ranks)
-            self._region_groups[me] = group
+        except Exception as e:
+            raise CommError(
+                collective_failure(
+                    "making the region's group",
+                    [self.region],
+                    self.local,
+                    f" at step {view.step}",
+                    time.perf_counter() - t0,
+                    e,
+                    timeout_s=self.options.exchange_timeout_s,
+                    knob="elastic.exchange_timeout_s",
+                )
+            ) from e
+        self._region_groups[me] = group
         return group
+
+    def _new_region_groups(self) -> None:
+        """The region's groups dropped, the next made on new keys (every rank of the region)."""
+        for group in self._region_groups.values():
+            release_group(group)
+        self._region_groups.clear()
+        self._generation += 1
+
+    def verify(self) -> None:
+        """CloudDDP.verify_replicas() in a per-step elastic run: the present regions' parameters'
+        digests compared now, each rank with its counterparts (ReplicaMismatch)."""
+        view = self._view
+        if view is not None and len(view.members) > 1 and self._group is not None:
+            self._verify(view, self._group)
 
     def before_step(self) -> None:
         """Before the optimizer's step (every rank of the region): drop the step where any rank
@@ -485,6 +549,7 @@ class ElasticSteps(ElasticRegion):
             p.grad = None
         self.stats.failed_syncs += 1
         self._group_key = ""  # a group a collective failed on is not used again
+        self._new_region_groups()
         log.warning(
             "cloudtrain elastic: region %s dropped step %s (regions %s): %s", self.region,
             self.comm.step, list(self.members.last),

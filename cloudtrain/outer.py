@@ -262,8 +262,8 @@ def check_optimizer(optimizer: Any, params: Sequence[torch.Tensor]) -> None:
     """The inner optimizer must be a torch optimizer holding every trainable parameter."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(
-            f"optimizer={optimizer!r}: the outer loop needs the inner torch.optim.Optimizer, "
-            "built on module.parameters() before wrapping"
+            f"optimizer={optimizer!r}: the outer loop (and an elastic run) needs the "
+            "(inner) torch.optim.Optimizer, built on module.parameters() before wrapping"
         )
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     missing = [i for i, p in enumerate(params) if id(p) not in held]

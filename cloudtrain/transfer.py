@@ -8,6 +8,7 @@ parallel flows, each 1/k of the bytes; zstd where it pays), the joiner's ranks g
 inside their region, check the sha256 the source sent and the digest (of the outer copy, or of
 the parameters) the source announced in the quorum.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -269,8 +270,10 @@ class OuterReplica:
 
 class StepReplica:
     """A per-step region's state between two steps: the module's parameters and buffers, the
-    optimizer's state and the step. Error-feedback residuals are not moved: a joiner has held
-    nothing back (its residuals start at zero) and the source keeps its own."""
+    optimizer's state, the step and DDP's bucket layouts. Error-feedback residuals are not
+    moved: a joiner has held nothing back (its residuals start at zero) and the source keeps its
+    own. A learning-rate scheduler's count is the user's: derive the rate from
+    CloudDDP.steps_done, which a joiner takes from the run."""
 
     what = "parameter set"
 
@@ -298,12 +301,19 @@ class StepReplica:
         from .outer_state import cpu_copy
 
         module = {n: t.detach().cpu().clone() for n, t in self.module.state_dict().items()}
-        return {"module": module, "optimizer": cpu_copy(self.optimizer.state_dict())}
+        return {
+            "module": module,
+            "optimizer": cpu_copy(self.optimizer.state_dict()),
+            # DDP's buckets as the run has them: the joiner's first backward hands over one
+            # bucket of every parameter, reduced as these (cloudtrain.layout, as after a resume)
+            "layouts": self.comm.layouts.state_dict()["layouts"],
+        }
 
     @torch.no_grad()
     def load(self, state: dict[str, Any]) -> None:
         _copy_into(self.module, state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.comm.layouts.load_state_dict({"layouts": state["layouts"], "pending": {}})
         if self.comm.ef is not None:
             self.comm.ef.reset()
         self.comm.step = int(state["step"])

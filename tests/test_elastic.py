@@ -342,11 +342,14 @@ def test_chaos_random_kills_and_restarts_end_with_equal_replicas(tmp_path) -> No
 @pytest.mark.timeout(240)
 def test_per_step_chaos_random_kills_and_restarts_end_with_equal_replicas(tmp_path) -> None:
     """The chaos run in per-step mode: 3 regions of one rank on loopback, 5 random kills and
-    restarts; every region ends at the same step with the same parameters."""
+    restarts; every region ends at the same step with the same parameters. The MLP is wide
+    enough (1.2 MB) for DDP's buckets to differ between a joiner's first step (one bucket of
+    every parameter) and the run's (rebuilt): the joiner reduces them as the run's layouts."""
     parser = argparse.ArgumentParser()
     chaos.configure(parser)
     args = parser.parse_args(
         ["--scenario", "chaos", "--mode", "step", "--local", "--regions", "3", "--ranks", "1",
+         "--hidden", "4096",
          "--events", "5", "--min-gap", "1.5", "--max-gap", "3", "--steps", "5000", "--pace",
          "0.04", "--heartbeat", str(HEARTBEAT_S), "--timeout", "150", "--logs", str(tmp_path),
          "--seed", "4"]
