@@ -364,18 +364,18 @@ class ElasticRegion:
             self._group = cross_group(prefixed, view.me, len(view.members), self.timeout, ranks)
             return self._group
         except Exception as e:
-            raise CommError(
-                collective_failure(
-                    f"making the cross-region group on {address}",
-                    view.regions,
-                    self.local,
-                    f" at step {view.step}",
-                    time.perf_counter() - t0,
-                    e,
-                    timeout_s=self.options.exchange_timeout_s,
-                    knob="elastic.exchange_timeout_s",
-                )
-            ) from e
+            what = f"making the cross-region group on {address}"
+            raise self._making_failed(what, view.regions, view, t0, e) from e
+
+    def _making_failed(
+        self, what: str, peers: Sequence[str], view: View, t0: float, e: BaseException
+    ) -> CommError:
+        """The CommError of a group that could not be made (within exchange_timeout_s)."""
+        text = collective_failure(
+            what, peers, self.local, f" at step {view.step}", time.perf_counter() - t0, e,
+            timeout_s=self.options.exchange_timeout_s, knob="elastic.exchange_timeout_s",
+        )  # fmt: skip
+        return CommError(text)
 
     def _store(self, address: str) -> Any:
         """A client of the TCP store at `address` (kept: quorums reuse their leaders' stores)."""
@@ -508,17 +508,8 @@ class ElasticSteps(ElasticRegion):
             ranks = [me * self.k + i for i in range(self.k)]
             group = cross_group(prefixed, self.local, self.k, self.timeout, ranks)
         except Exception as e:
-            raise CommError(
-                collective_failure(
-                    "making the region's group",
-                    [self.region],
-                    self.local,
-                    f" at step {view.step}",
-                    time.perf_counter() - t0,
-                    e,
-                    timeout_s=self.options.exchange_timeout_s,
-                    knob="elastic.exchange_timeout_s",
-                )
+            raise self._making_failed(
+                "making the region's group", [self.region], view, t0, e
             ) from e
         self._region_groups[me] = group
         return group

@@ -317,50 +317,30 @@ def test_below_min_regions_the_survivor_pauses_until_the_region_is_back(tmp_path
 
 
 @pytest.mark.timeout(240)
-def test_chaos_random_kills_and_restarts_end_with_equal_replicas(tmp_path) -> None:
+@pytest.mark.parametrize("mode", ["outer", "step"])
+def test_chaos_random_kills_and_restarts_end_with_equal_replicas(tmp_path, mode) -> None:
     """3 regions of one rank on loopback, 5 random kills and restarts of whole regions (never
     fewer than one region that has trained alive); once all are back the harness ends the run 3
     syncs later: every region finishes within the bound, at the same step, with the same
-    parameters."""
+    parameters. Per step, the MLP is wide enough (1.2 MB) for DDP's buckets to differ between a
+    joiner's first step (one bucket of every parameter) and the run's (rebuilt): the joiner
+    reduces them as the run's layouts."""
     parser = argparse.ArgumentParser()
     chaos.configure(parser)
+    wide = ["--hidden", "4096"] if mode == "step" else []
     args = parser.parse_args(
-        ["--scenario", "chaos", "--local", "--regions", "3", "--ranks", "1", "--events", "5",
-         "--min-gap", "1.5", "--max-gap", "3", "--steps", "5000", "--pace", "0.04",
-         "--heartbeat", str(HEARTBEAT_S), "--timeout", "150", "--logs", str(tmp_path),
-         "--seed", "3"]
+        ["--scenario", "chaos", "--mode", mode, *wide, "--local", "--regions", "3", "--ranks",
+         "1", "--events", "5", "--min-gap", "1.5", "--max-gap", "3", "--steps", "5000", "--pace",
+         "0.04", "--heartbeat", str(HEARTBEAT_S), "--timeout", "150", "--logs", str(tmp_path),
+         "--seed", "3" if mode == "outer" else "4"]
     )  # fmt: skip
     report = chaos.run_scenario(args)
-    print("chaos:", report["events"], report["around_kills"])
+    print(f"chaos ({mode}):", report["events"], report["around_kills"])
     kinds = [kind for kind, *_ in report["events"]]
     assert len(kinds) >= 5 and "kill" in kinds and "start" in kinds, kinds
     assert report["replicas_equal"], report["results"]
     steps = {r["steps"] for r in report["results"].values()}
     assert len(steps) == 1 and steps.pop() < 5000, report["results"]  # ended at the stop step
-
-
-@pytest.mark.timeout(240)
-def test_per_step_chaos_random_kills_and_restarts_end_with_equal_replicas(tmp_path) -> None:
-    """The chaos run in per-step mode: 3 regions of one rank on loopback, 5 random kills and
-    restarts; every region ends at the same step with the same parameters. The MLP is wide
-    enough (1.2 MB) for DDP's buckets to differ between a joiner's first step (one bucket of
-    every parameter) and the run's (rebuilt): the joiner reduces them as the run's layouts."""
-    parser = argparse.ArgumentParser()
-    chaos.configure(parser)
-    args = parser.parse_args(
-        ["--scenario", "chaos", "--mode", "step", "--local", "--regions", "3", "--ranks", "1",
-         "--hidden", "4096",
-         "--events", "5", "--min-gap", "1.5", "--max-gap", "3", "--steps", "5000", "--pace",
-         "0.04", "--heartbeat", str(HEARTBEAT_S), "--timeout", "150", "--logs", str(tmp_path),
-         "--seed", "4"]
-    )  # fmt: skip
-    report = chaos.run_scenario(args)
-    print("per-step chaos:", report["events"], report["around_kills"])
-    kinds = [kind for kind, *_ in report["events"]]
-    assert len(kinds) >= 5 and "kill" in kinds and "start" in kinds, kinds
-    assert report["replicas_equal"], report["results"]
-    steps = {r["steps"] for r in report["results"].values()}
-    assert len(steps) == 1 and steps.pop() < 5000, report["results"]
 
 
 @pytest.mark.timeout(240)
