@@ -212,20 +212,29 @@ class ElasticRegion:
         ranks of the region), redone with a new quorum until it commits; then, after a spot
         notice, the region leaves (RegionLeft)."""
         leaving = self.guard is not None and self.guard.should_stop()
+        self._timed_until_committed(self.loop.step, fragment)
+        if leaving:
+            self._leave(", its pseudo-gradient handed over")
+
+    def _timed_until_committed(self, step: int, fragment: int) -> None:
+        """`_until_committed`, its seconds counted as the last (and maybe longest) sync."""
         t0 = time.perf_counter()
-        self._until_committed(self.loop.step, fragment)
+        self._until_committed(step, fragment)
         took = time.perf_counter() - t0
         self.stats.last_sync_s = took
         self.stats.longest_sync_s = max(self.stats.longest_sync_s, took)
         self._write_scalars()
-        if leaving:
-            self.stats.left = True
-            self.close()
-            log.warning(
-                "cloudtrain elastic: region %s leaves after step %s (spot notice), its "
-                "pseudo-gradient handed over", self.region, self.loop.step,
-            )  # fmt: skip
-            raise RegionLeft(f"region {self.region} left the run after step {self.loop.step}")
+
+    def _leave(self, handed: str) -> None:
+        """After a spot notice: stop heartbeating and raise RegionLeft (every rank)."""
+        self.stats.left = True
+        self.close()
+        step = self.replica.step
+        log.warning(
+            "cloudtrain elastic: region %s leaves after step %s (spot notice)%s",
+            self.region, step, handed,
+        )  # fmt: skip
+        raise RegionLeft(f"region {self.region} left the run after step {step}")
 
     def _write_scalars(self) -> None:
         """Membership, stalls and recoveries so far, for TensorBoard, at the loop's step."""
@@ -305,19 +314,19 @@ class ElasticRegion:
             return self._failed(view, why), loaded
         loop._apply(fragment, mean, local, local)
         if fragment == 0 and loop.buffers is not None:
-            self._reconcile_buffers(view, cross)
+            self._reconcile_buffers(view, cross, loop.buffers)
         return self._committed(view, cross, changed, fragment), loaded
 
-    def _reconcile_buffers(self, view: View, cross: Any) -> None:
+    def _reconcile_buffers(self, view: View, cross: Any, buffers: Any) -> None:
         """The present regions' buffers made one (cloudtrain.buffers): this rank's with its
         counterparts', then the region's first rank's inside the region. Not fatal: a region
         lost here is noticed at the next sync, and the buffers differ until then."""
         try:
-            self.loop.buffers.across_regions(cross, self.timeout, f" at step {view.step}")
+            buffers.across_regions(cross, self.timeout, f" at step {view.step}")
         except CommError as e:
             log.warning("cloudtrain elastic: buffers not reconciled at step %s: %s", view.step, e)
             self._group_key = ""
-        self.loop.buffers.in_region()
+        buffers.in_region()
 
     def _committed(self, view: View, cross: Any, changed: bool, fragment: int | None) -> bool:
         """A sync done: counted, and checked across regions where membership changed."""
@@ -458,11 +467,12 @@ class ElasticSteps(ElasticRegion):
         if not ready:
             return False, loaded
         why = ""
+        made = self.k > 1 and view.me not in self._region_groups  # alike on the region's ranks
         try:
             region = self._region_group(view)
         except CommError as e:
             region, why = None, str(e)
-        if not self._agree(not why):  # a retry starts anew, on keys nobody half-wrote
+        if made and not self._agree(not why):  # a retry starts anew, on keys nobody half-wrote
             self._new_region_groups()
             return self._failed(view, why or "another rank of the region failed"), loaded
         held = self.comm.path.topo.groups
@@ -477,17 +487,8 @@ class ElasticSteps(ElasticRegion):
             self.comm.use_regions(topo, self.timeout)
         self._view = view
         if self.buffers is not None:
-            self._reconcile_buffers(view, cross)
+            self._reconcile_buffers(view, cross, self.buffers)
         return self._committed(view, cross, changed, None), loaded
-
-    def _reconcile_buffers(self, view: View, cross: Any) -> None:
-        """(ElasticRegion's, on this run's buffers.)"""
-        try:
-            self.buffers.across_regions(cross, self.timeout, f" at step {view.step}")
-        except CommError as e:
-            log.warning("cloudtrain elastic: buffers not reconciled at step %s: %s", view.step, e)
-            self._group_key = ""
-        self.buffers.in_region()
 
     def _region_group(self, view: View) -> Any:
         """The region's own group, its ranks numbered as in `view`, where it is region `me`
@@ -552,20 +553,8 @@ class ElasticSteps(ElasticRegion):
         after a spot notice, the region leaves (RegionLeft)."""
         if self._ok:
             self.commits += 1
-        leaving = self.guard is not None and self.guard.should_stop()
-        if leaving:
-            self.stats.left = True
-            self.close()
-            log.warning(
-                "cloudtrain elastic: region %s leaves after step %s (spot notice)",
-                self.region, self.comm.step,
-            )  # fmt: skip
-            raise RegionLeft(f"region {self.region} left the run after step {self.comm.step}")
+        if self.guard is not None and self.guard.should_stop():
+            self._leave("")
         if self._ok and self.commits % self.every:
             return
-        t0 = time.perf_counter()
-        self._until_committed(self.comm.step, 0)
-        took = time.perf_counter() - t0
-        self.stats.last_sync_s = took
-        self.stats.longest_sync_s = max(self.stats.longest_sync_s, took)
-        self._write_scalars()
+        self._timed_until_committed(self.comm.step, 0)

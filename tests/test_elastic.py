@@ -158,40 +158,48 @@ def first_sync_after_join_equal(cluster: chaos.Cluster, survivor: str, joiner) -
     return line["step"]
 
 
-@needs_root
-@pytest.mark.timeout(240)
-def test_region_killed_survivors_go_on_and_it_rejoins_bit_identical(tmp_path) -> None:
-    """2 regions x 2 ranks at 200 Mbit/s, 80 ms: SIGKILL every process of r1 at step 30; r0
-    keeps its processes and goes on (its longest step: detection + one sync); r1 started again
-    with the same command heals from r0 and equals it from its first sync."""
+def kill_r1_and_restart(tmp_path, args: list[str], wait_s: float) -> tuple:
+    """2 regions x 2 ranks at 200 Mbit/s, 80 ms, the worker run with `args`: every process of
+    r1 SIGKILLed at its step 30 and started again at once with the same command; the run waited
+    for (`wait_s`) and everything torn down. (cluster, r0, the killed r1, the restarted r1)."""
     from cloudtrain.tools.netem import Emulator, teardown
 
     name = f"el{os.getpid() % 10000}-{uuid.uuid4().hex[:3]}"
     try:
         with (
             Emulator({"r0": 2, "r1": 2, "lh": 1}, 200, rtt_ms=80, name=name) as wan,
-            cluster_on(wan, ["r0", "r1"], worker_args(300, 0.08), tmp_path) as cluster,
+            cluster_on(wan, ["r0", "r1"], args, tmp_path) as cluster,
         ):
             r0, r1 = cluster.start("r0"), cluster.start("r1")
             wait_until(lambda: r1.step >= 30, 120, "r1 at step 30")
             r1.kill()
             again = cluster.start("r1")
-            cluster.wait(180)
-            around = chaos.survivors_around(cluster, r1)["r0"]
-            print("elastic kill figures:", around)
-            sync = around["normal_sync_s"]
-            # noticed once its heartbeats stop, at r0's next sync (10 steps later at most)
-            assert around["detected_s"] is not None and around["detected_s"] <= HEARTBEAT_S + 3.0
-            assert around["longest_step_s"] <= HEARTBEAT_S + sync + 1.0, around
-            assert r0.procs[0].returncode == 0 and again.procs[0].returncode == 0
-            a, b = r0.result, again.result
-            assert a["steps"] == b["steps"] == 300 and a["digest"] == b["digest"]
-            assert a["elastic"]["lost"] == ["r1"] and "r1" in a["elastic"]["joined"]
-            assert b["elastic"]["recovery_bytes_received"] > 0
-            assert a["elastic"]["recovery_bytes_sent"] == b["elastic"]["recovery_bytes_received"]
-            first_sync_after_join_equal(cluster, "r0", again)
+            cluster.wait(wait_s)
     finally:
         teardown(name)
+    return cluster, r0, r1, again
+
+
+@needs_root
+@pytest.mark.timeout(240)
+def test_region_killed_survivors_go_on_and_it_rejoins_bit_identical(tmp_path) -> None:
+    """2 regions x 2 ranks at 200 Mbit/s, 80 ms: SIGKILL every process of r1 at step 30; r0
+    keeps its processes and goes on (its longest step: detection + one sync); r1 started again
+    with the same command heals from r0 and equals it from its first sync."""
+    cluster, r0, r1, again = kill_r1_and_restart(tmp_path, worker_args(300, 0.08), 180)
+    around = chaos.survivors_around(cluster, r1)["r0"]
+    print("elastic kill figures:", around)
+    sync = around["normal_sync_s"]
+    # noticed once its heartbeats stop, at r0's next sync (10 steps later at most)
+    assert around["detected_s"] is not None and around["detected_s"] <= HEARTBEAT_S + 3.0
+    assert around["longest_step_s"] <= HEARTBEAT_S + sync + 1.0, around
+    assert r0.procs[0].returncode == 0 and again.procs[0].returncode == 0
+    a, b = r0.result, again.result
+    assert a["steps"] == b["steps"] == 300 and a["digest"] == b["digest"]
+    assert a["elastic"]["lost"] == ["r1"] and "r1" in a["elastic"]["joined"]
+    assert b["elastic"]["recovery_bytes_received"] > 0
+    assert a["elastic"]["recovery_bytes_sent"] == b["elastic"]["recovery_bytes_received"]
+    first_sync_after_join_equal(cluster, "r0", again)
 
 
 @needs_root
@@ -203,36 +211,21 @@ def test_per_step_region_killed_survivors_drop_one_step_and_it_rejoins(tmp_path)
     residuals as before it - asks a quorum without r1 and goes on; its longest step is within
     detection + one normal step. r1 started again with the same command heals from r0 at r0's
     next quorum and equals it bit for bit from then on."""
-    from cloudtrain.tools.netem import Emulator, teardown
-
-    name = f"es{os.getpid() % 10000}-{uuid.uuid4().hex[:3]}"
-    try:
-        with (
-            Emulator({"r0": 2, "r1": 2, "lh": 1}, 200, rtt_ms=80, name=name) as wan,
-            cluster_on(wan, ["r0", "r1"], worker_args(260, 0.02, mode="step"), tmp_path) as cluster,
-        ):
-            r0, r1 = cluster.start("r0"), cluster.start("r1")
-            wait_until(lambda: r1.step >= 30, 120, "r1 at step 30")
-            r1.kill()
-            again = cluster.start("r1")
-            cluster.wait(240)
-            around = chaos.survivors_around(cluster, r1)["r0"]
-            print("per-step kill figures:", around, "rejoined", chaos.rejoined_s(cluster, again))
-            assert around["detected_s"] is not None and around["detected_s"] <= HEARTBEAT_S + 3.0
-            normal = around["normal_step_s"]
-            assert around["longest_step_s"] <= HEARTBEAT_S + normal + 1.0, around
-            assert r0.procs[0].returncode == 0 and again.procs[0].returncode == 0
-            a, b = r0.result, again.result
-            assert a["steps"] == b["steps"] == 260 and a["digest"] == b["digest"]
-            assert a["elastic"]["lost"] == ["r1"] and "r1" in a["elastic"]["joined"]
-            assert a["elastic"]["failed_syncs"] >= 1  # the step r1 died in, dropped
-            assert (
-                a["elastic"]["recovery_bytes_sent"] == b["elastic"]["recovery_bytes_received"] > 0
-            )
-            first_sync_after_join_equal(cluster, "r0", again)
-            assert a["accuracy"] > 0.9, a
-    finally:
-        teardown(name)
+    args = worker_args(260, 0.02, mode="step")
+    cluster, r0, r1, again = kill_r1_and_restart(tmp_path, args, 240)
+    around = chaos.survivors_around(cluster, r1)["r0"]
+    print("per-step kill figures:", around, "rejoined", chaos.rejoined_s(cluster, again))
+    assert around["detected_s"] is not None and around["detected_s"] <= HEARTBEAT_S + 3.0
+    normal = around["normal_step_s"]
+    assert around["longest_step_s"] <= HEARTBEAT_S + normal + 1.0, around
+    assert r0.procs[0].returncode == 0 and again.procs[0].returncode == 0
+    a, b = r0.result, again.result
+    assert a["steps"] == b["steps"] == 260 and a["digest"] == b["digest"]
+    assert a["elastic"]["lost"] == ["r1"] and "r1" in a["elastic"]["joined"]
+    assert a["elastic"]["failed_syncs"] >= 1  # the step r1 died in, dropped
+    assert a["elastic"]["recovery_bytes_sent"] == b["elastic"]["recovery_bytes_received"] > 0
+    first_sync_after_join_equal(cluster, "r0", again)
+    assert a["accuracy"] > 0.9, a
 
 
 @pytest.mark.timeout(240)

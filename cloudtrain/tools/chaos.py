@@ -429,7 +429,8 @@ class Cluster:
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
     return [
-        "--engine", args.engine, "--mode", args.mode, "--steps", str(args.steps), "--sync-every", str(args.sync_every),
+        "--engine", args.engine, "--mode", args.mode, "--steps", str(args.steps),
+        "--sync-every", str(args.sync_every),
         "--codec", args.codec, "--level", str(args.level), "--min-regions", str(args.min_regions),
         "--start-regions", str(args.start_regions or args.regions),
         "--hidden", str(args.hidden), "--batch", str(args.batch), "--lr", str(args.lr),
