@@ -291,12 +291,6 @@ class CompressionConfig:
         if outer is None:
             self._check_elastic_steps()
             return
-        if outer.sync_every == AUTO or outer.codec == AUTO:
-            raise ValueError(
-                "elastic=... with outer.sync_every or outer.codec 'auto': give both (e.g. "
-                "sync_every=50, codec='quant', level=8); every region must know them before it "
-                "joins"
-            )
         if outer.overlap:
             raise ValueError(
                 f"elastic=... with outer.overlap={outer.overlap}: an exchange in flight while "

@@ -37,6 +37,7 @@ one sync behind at the next quorum, and joins (heals) like a new one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -51,8 +52,11 @@ from .bootstrap import control_group
 from .collectives import CommError, all_gather_single, collective_failure
 from .datapath import CrossRegion
 from .membership import ElasticStats, Membership
-from .plan import Plan
+from .options import AUTO
+from .outer import DECIDE_AFTER, Schedule
+from .plan import Plan, describe
 from .quorum import ElasticRefused, RegionLeft, View, identity_of
+from .replan import MIN_STEP_S, LinkBook, agree_links
 from .stats import Scalars
 from .topology import AUTO_REGION, Topology
 from .transfer import StateTransfer
@@ -161,6 +165,12 @@ class ElasticRegion:
         """The last quorum's cross group (released when the next is made)."""
         self._group_key = ""
         """Its key while its last sync committed; "" once a sync on it failed."""
+        self.book: LinkBook | None = None
+        """The links measured between regions, where the outer loop's H or codec is "auto":
+        its schedule is then planned for the regions present (cloudtrain.replan)."""
+        if self.loop is not None and AUTO in (config.outer.sync_every, config.outer.codec):
+            self.book = LinkBook()
+            self.loop.schedule = Schedule(DECIDE_AFTER, (), 0.0, False)  # provisional
         self.guard = None
         if self.options.spot:
             from .spot import PreemptionGuard, SpotWatcher
@@ -187,6 +197,8 @@ class ElasticRegion:
         only where every rank of the region still holds them."""
         if not self._agree(bool(self._group_key)):
             self._group_key = ""
+        if self.book is not None:  # for the quorum's choice of a joiner's source
+            self.members.links = [(a, b, p.bandwidth) for (a, b), p in self.book.pairs.items()]
         try:
             return self.members.quorum(
                 step, fragment, self.commits, self.replica.digest,
@@ -288,6 +300,12 @@ class ElasticRegion:
         if view.step < 0:  # all were starting: nobody syncs
             return self._committed(view, cross, changed, None), loaded
         fragment = view.fragment
+        schedule = loop.schedule
+        if self.book is not None and fragment == 0 and schedule.regions != view.regions:
+            try:
+                schedule = self._replan(view, cross)
+            except CommError as e:  # alike on every rank of the region (_replan)
+                return self._failed(view, str(e)), loaded
         ef = loop.ef
         ef_key = (fragment, self.local)
         saved = None if ef is None else ef.residuals.get(ef_key)
@@ -295,9 +313,8 @@ class ElasticRegion:
         topo = view_topology(view, self.local, self.k, self.group, cross)
         path = CrossRegion(self.config, topo, loop.codecs, ef, loop.stats)
         path.timeout = self.timeout  # a region lost in the exchange is noticed within this
-        rung = loop.schedule.rungs[0]
-        regions = len(view.members)
-        plan = Plan((rung,) * regions, zstd=(self.config.zstd is not False,) * regions)
+        rungs = schedule.rungs_of(view.regions, loop.ladder[-1])
+        plan = Plan(rungs, zstd=(self.config.zstd is not False,) * len(rungs))
         local = loop.parts.local(fragment)
         delta = loop.global_[fragment].float() - local
         failures: list[BaseException] = []
@@ -313,9 +330,66 @@ class ElasticRegion:
             why = str(failures[0]) if failures else "another rank of the region failed"
             return self._failed(view, why), loaded
         loop._apply(fragment, mean, local, local)
+        if schedule is not loop.schedule:  # planned at this sync: in force from it
+            self._take_plan(view, schedule)
         if fragment == 0 and loop.buffers is not None:
             self._reconcile_buffers(view, cross, loop.buffers)
         return self._committed(view, cross, changed, fragment), loaded
+
+    def _replan(self, view: View, cross: Any) -> Schedule:
+        """The schedule for the regions of `view` (cloudtrain.replan; every rank of the region):
+        the region's first rank agrees on the links and the slowest step with the others' first
+        ranks, probing the pairs no region has measured, and shares the result in the region;
+        every rank then chooses the same schedule. A failure is a CommError on every rank."""
+        assert self.book is not None and self.loop is not None
+        loop, t0 = self.loop, time.perf_counter()
+        got: list[Any] = [None]
+        if self.local == 0:
+            try:
+                if cross is None:  # alone
+                    got[0] = (self.book, max(loop._step_s(), MIN_STEP_S), 0)
+                else:
+                    got[0] = agree_links(
+                        self.book, view.regions, cross, loop._step_s(), view.quorum_id
+                    )
+            except Exception as e:
+                got[0] = self._making_failed("planning the links", view.regions, view, t0, e)
+        dist.broadcast_object_list(got, src=0, group=self.group)  # inside the region
+        if isinstance(got[0], CommError):
+            raise got[0]
+        self.book, step_s, probed = got[0]
+        self.stats.links_probed += probed
+        links = self.book.links(view.regions, loop.cut)
+        chosen = loop.choose(links, step_s)
+        schedule = dataclasses.replace(chosen, regions=view.regions, start=view.step)
+        if self.local == 0:
+            log.warning(
+                "cloudtrain elastic: region %s at step %s: plan for regions %s (%d pairs "
+                "probed, %.2f s): %s", self.region, view.step, list(view.regions), probed,
+                time.perf_counter() - t0, schedule.describe(step_s, links),
+            )  # fmt: skip
+        return schedule
+
+    def _take_plan(self, view: View, schedule: Schedule) -> None:
+        """A schedule planned at the sync that just committed: the loop's from now on."""
+        assert self.loop is not None and self.book is not None
+        self.loop.schedule = schedule
+        self.stats.replans += 1
+        self.stats.plan = {
+            "step": view.step,
+            "sync_every": schedule.sync_every,
+            "codecs": {
+                name: describe(rung)
+                for name, rung in zip(schedule.regions, schedule.rungs, strict=True)
+            },
+            "links": {  # each region's, as the plan had it: one shard owner's share
+                name: {"mbit_per_sender": 8 * link.bandwidth / 1e6, "rtt_ms": 1000 * link.rtt}
+                for name, link in zip(
+                    view.regions, self.book.links(view.regions, self.loop.cut), strict=True
+                )
+            },
+            "fits": schedule.fits,
+        }
 
     def _reconcile_buffers(self, view: View, cross: Any, buffers: Any) -> None:
         """The present regions' buffers made one (cloudtrain.buffers): this rank's with its
@@ -421,10 +495,15 @@ class ElasticRegion:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"commits": self.commits}
+        out: dict[str, Any] = {"commits": self.commits}
+        if self.book is not None:
+            out["links"] = self.book.rows()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.commits = int(state.get("commits", 0))
+        if self.book is not None:
+            self.book = LinkBook.from_rows(state.get("links", ()))
 
     def snapshot(self) -> dict[str, Any]:
         return self.stats.snapshot()

@@ -49,6 +49,12 @@ class ElasticStats:
     recovery_bytes_sent: int = 0
     recovery_bytes_received: int = 0
     recovery_s: float = 0.0
+    replans: int = 0
+    """Schedules planned for the regions present (an "auto" outer loop: cloudtrain.replan)."""
+    links_probed: int = 0
+    """Pairs of regions whose links this region's plans measured."""
+    plan: dict[str, Any] = field(default_factory=dict)
+    """The schedule in force: the step it was planned at, H, each region's codec and link."""
     longest_sync_s: float = 0.0
     last_sync_s: float = 0.0
     left: bool = False
@@ -61,8 +67,11 @@ class ElasticStats:
         counts = {"regions_present": len(self.regions), "lost": len(self.lost),
                   "joined": len(self.joined), "refused": len(self.refused)}  # fmt: skip
         sums = ("syncs", "changes", "failed_syncs", "pauses", "paused_s", "recovery_bytes_sent",
-                "recovery_bytes_received", "recovery_s", "last_sync_s")  # fmt: skip
+                "recovery_bytes_received", "recovery_s", "last_sync_s", "replans",
+                "links_probed")  # fmt: skip
         out = {**counts, **{name: getattr(self, name) for name in sums}}
+        if self.plan:
+            out["sync_every"] = self.plan["sync_every"]
         return {f"elastic/{name}": float(value) for name, value in out.items()}
 
 
@@ -87,6 +96,9 @@ class Membership:
         self.replica_id = f"{region}:{uuid.uuid4().hex[:12]}"
         self.last: tuple[str, ...] = ()
         """The regions of the last committed sync."""
+        self.links: list[tuple[str, str, float]] = []
+        """The links between regions this region knows, (from, to, bytes/s of one flow),
+        announced in its quorum data (cloudtrain.replan; the quorum's choice of sources)."""
         self._stop = threading.Event()
         self._client = self._heartbeat = self._store = None
         timeout = timedelta(seconds=options.exchange_timeout_s)
@@ -144,6 +156,7 @@ class Membership:
                 "fragment": fragment,
                 "digest": digest(),
                 "group": group_key,
+                "links": self.links,
             }
             try:
                 q = self._client.quorum(

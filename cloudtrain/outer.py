@@ -88,6 +88,26 @@ class Schedule:
     """Predicted seconds of one fragment's exchange on the slowest link."""
     fits: bool
     """False: nothing fits the budget; the most compression at the largest H was taken."""
+    regions: tuple[str, ...] = ()
+    """In an elastic run, the regions it was planned for, whose codecs `rungs` are (by name:
+    `rungs_of`); () where the regions are fixed, or before an elastic run's first plan."""
+    start: int = 0
+    """The step its rounds count from: 0, or the sync at which an elastic run planned it."""
+
+    @property
+    def provisional(self) -> bool:
+        """An elastic "auto" run's schedule before its first plan: fragment 0 syncs once, at
+        step `sync_every`, and plans there (cloudtrain.replan)."""
+        return not self.rungs
+
+    def rungs_of(self, regions: Sequence[str], fallback: Rung) -> tuple[Rung, ...]:
+        """The codec of each of `regions`' packets: one codec for all where the regions are
+        fixed; in an elastic run each region's by name, and `fallback` for a region it was not
+        planned for (one that joined since: until the next plan, at fragment 0's sync)."""
+        if not self.regions:
+            return (self.rungs[0] if self.rungs else fallback,) * len(regions)
+        by_name = dict(zip(self.regions, self.rungs, strict=True))
+        return tuple(by_name.get(name, fallback) for name in regions)
 
     def describe(self, step_s: float, links: Sequence[LinkEstimate]) -> str:
         fits = "fits" if self.fits else "does not fit: most compression"
@@ -100,7 +120,11 @@ class Schedule:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Schedule:
         rungs = tuple((n, tuple(lv) if isinstance(lv, list) else lv) for n, lv in state["rungs"])
-        return cls(state["sync_every"], rungs, state["exchange_s"], state["fits"])
+        regions = tuple(state.get("regions", ()))  # (states saved before elastic plans: none)
+        return cls(
+            state["sync_every"], rungs, state["exchange_s"], state["fits"], regions,
+            int(state.get("start", 0)),
+        )  # fmt: skip
 
 
 def fragment_exchange_seconds(link: LinkEstimate, nbytes: int, receivers: int) -> float:
@@ -402,9 +426,12 @@ class OuterLoop:
 
     def _due(self, f: int) -> bool:
         """Fragment f syncs now: at its offset in every round, fragment 0 at the round's end."""
-        assert self.schedule is not None
+        schedule = self.schedule
+        assert schedule is not None
+        if schedule.provisional:
+            return f == 0 and self.step - schedule.start == schedule.sync_every
         if self.outer.work == "steps":
-            return (self.step - self.offset(f)) % self.schedule.sync_every == 0
+            return (self.step - schedule.start - self.offset(f)) % schedule.sync_every == 0
         h = self.round_length()
         return self.step - self.rounds.start == (self.offset(f, h) if f else h)
 
@@ -418,14 +445,25 @@ class OuterLoop:
             step_s = max(s for s, _ in self._gather(step_s, 0))
         if self.topo.rank == 0:
             links = self.links or [LinkEstimate(1e12, 0.0)] * len(self.topo.regions)
-            ladder = OUTER_LADDER if outer.codec == AUTO else ((outer.codec, outer.level),)
-            choice[0] = choose_schedule(
-                self.numel, links, self.cut, step_s, self.fragments, outer.overlap,
-                self.codecs.wire_nbytes, outer.sync_every, ladder,
-            )  # fmt: skip
+            choice[0] = self.choose(links, step_s)
             log.info("cloudtrain outer loop: %s", choice[0].describe(step_s, links))
         dist.broadcast_object_list(choice, src=0, group=self.topo.group("control"))
         self.schedule = choice[0]
+
+    @property
+    def ladder(self) -> tuple[Rung, ...]:
+        """The codecs the schedule chooses from: the outer ladder, or the one configured."""
+        outer = self.outer
+        return OUTER_LADDER if outer.codec == AUTO else ((outer.codec, outer.level),)
+
+    def choose(self, links: Sequence[LinkEstimate], step_s: float) -> Schedule:
+        """H and each region's codec for `links` (by region index) and an inner step of
+        `step_s` seconds (choose_schedule): as configured where not "auto"."""
+        outer = self.outer
+        return choose_schedule(
+            self.numel, links, self.cut, step_s, self.fragments, outer.overlap,
+            self.codecs.wire_nbytes, outer.sync_every, self.ladder,
+        )  # fmt: skip
 
     def _delta(self, f: int, local: torch.Tensor) -> torch.Tensor:
         """Fragment f's pseudo-gradient, where the outer copy lives; scaled by the region's

@@ -132,18 +132,28 @@ def _timed(
 ) -> tuple[int, float]:
     """One timed message of `size` bytes to dst and its ack (dst's receive posted first)."""
     header[0] = size
-    dist.send(header, dst, group=group)
-    dist.recv(ack, dst, group=group)  # dst's receive is posted
+    dist.send(header, group=group, group_dst=dst)
+    dist.recv(ack, group=group, group_src=dst)  # dst's receive is posted
     t0 = time.perf_counter()
-    dist.send(payload[:size], dst, group=group)
-    dist.recv(ack, dst, group=group)
+    dist.send(payload[:size], group=group, group_dst=dst)
+    dist.recv(ack, group=group, group_src=dst)
     return size, time.perf_counter() - t0
+
+
+def _rank_and_size(group: Any) -> tuple[int, int]:
+    """This process's rank in `group` and its size (None: the world). Asked of the group itself:
+    an elastic run's cross-region groups (cloudtrain.elastic.cross_group) are not subgroups of
+    the process's world, whose rank numbers they do not share."""
+    if group is None:
+        return dist.get_rank(), dist.get_world_size()
+    return group.rank(), group.size()
 
 
 def _measure(
     src: int, dst: int, group: Any, max_seconds: float, max_bytes: int, repeats: int, start: int
 ) -> list[tuple[int, float]]:
-    """src sends growing messages to dst and times each until dst's ack is back (global ranks).
+    """src sends growing messages to dst and times each until dst's ack is back (ranks in
+    `group`).
 
     Gloo sends a message only once the receiver has posted its receive (the receiver announces
     it over the wire), so the size goes ahead untimed and dst answers "ready" once its receive
@@ -153,7 +163,7 @@ def _measure(
     double until the transfer, not the round trip, dominates: at least max_seconds and twice the
     round trip; that size is repeated, and twice it too (within max_bytes) where it read under
     SLOW_READING of the size before it (of the warm-up, for the first size)."""
-    me = dist.get_rank()
+    me = _rank_and_size(group)[0]
     header = torch.zeros(1, dtype=torch.int64)
     ack = torch.zeros(1, dtype=torch.uint8)
     samples: list[tuple[int, float]] = []
@@ -189,18 +199,18 @@ def _measure(
             rate = size / max(transfer, 1e-9)
             size *= 2
         header[0] = 0
-        dist.send(header, dst, group=group)
+        dist.send(header, group=group, group_dst=dst)
     elif me == dst:
         buf = torch.empty(max_bytes, dtype=torch.uint8)
         while True:
-            dist.recv(header, src, group=group)
+            dist.recv(header, group=group, group_src=src)
             size = int(header[0])
             if size == 0:
                 break
-            work = dist.irecv(buf[:size], src, group=group)
-            dist.send(ack, src, group=group)
+            work = dist.irecv(buf[:size], group=group, group_src=src)
+            dist.send(ack, group=group, group_dst=src)
             work.wait()
-            dist.send(ack, src, group=group)
+            dist.send(ack, group=group, group_dst=src)
     return samples
 
 
@@ -218,9 +228,8 @@ def probe(
     indexed by rank within the group. `pairs`: the (i, j) to measure (default: all); the others
     are left as zeros for `expand` to fill. `region`: each rank's region, where known: pairs
     that share no link are then measured at the same time (`rounds`)."""
-    world, me = dist.get_world_size(group), dist.get_rank(group)
+    me, world = _rank_and_size(group)
     ranks = list(range(world))
-    global_rank = [dist.get_global_rank(group, r) if group is not None else r for r in ranks]
     if pairs is None:
         pairs = [(i, j) for i in ranks for j in ranks if i != j]
     mine: dict[int, tuple[float, float]] = {}
@@ -228,9 +237,7 @@ def probe(
     for i, j in (pair for batch in rounds(pairs, region) for pair in batch):
         if me not in (i, j):  # measured by others, alone or beside this rank's pair of the round
             continue
-        samples = _measure(
-            global_rank[i], global_rank[j], group, max_seconds, max_bytes, repeats, start_bytes
-        )
+        samples = _measure(i, j, group, max_seconds, max_bytes, repeats, start_bytes)
         if me == i:
             mine[j] = fit_measured(samples)
             sent += min(WARMUP_BYTES, max_bytes) + sum(b for b, _ in samples)

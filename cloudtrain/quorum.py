@@ -8,8 +8,9 @@ torchft's Lighthouse gives a quorum: the regions asking at a sync, each with wha
   process claiming a region that is present),
 - who contributes to this sync (the regions at the sync with the most syncs committed) and who
   joins (every other: a new or restarted region, or one whose last sync failed),
-- from which contributor each joiner takes the state,
-- which cross-region groups the sync runs on (reused where every member holds the same ones).
+- from which contributor each joiner takes the state (the fastest measured link to it),
+- which cross-region groups the sync runs on (reused where every member holds the same ones,
+  made for the same members).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class Member:
     """host:port of its TCP store, for the groups of a quorum it leads."""
     group: str = ""
     """The key of the cross groups it holds and whose last sync committed ("": none)."""
+    links: tuple[tuple[str, str, float], ...] = ()
+    """The links between regions it has measured: (from, to, bytes/s of one flow)."""
 
     @classmethod
     def of(cls, member: Any) -> Member:
@@ -67,6 +70,7 @@ class Member:
             digest=int(data.get("digest", 0)),
             store=member.store_address,
             group=str(data.get("group", "")),
+            links=tuple((str(a), str(b), float(bw)) for a, b, bw in data.get("links") or ()),
         )
 
     @property
@@ -80,8 +84,10 @@ class View:
 
     quorum_id: int
     key: str
-    """Names this quorum's cross groups: the one every member holds (they are reused: making
-    gloo groups across the WAN costs round trips), else a new one for this quorum."""
+    """Names this quorum's cross groups: the one every member holds, where it was made for these
+    members (they are reused: making gloo groups across the WAN costs round trips), else a new
+    one for this quorum. It ends with the members' region names: a group that a lost region was
+    part of is never reused (a collective over it would wait for the lost region)."""
     members: tuple[Member, ...]
     """The regions taking part, by region name (a member's index is its region index)."""
     contributors: tuple[int, ...]
@@ -121,8 +127,10 @@ def decide(participants: Sequence[Member], quorum_id: int, key: str, me: str) ->
     participant of another identity is refused. Of two claiming one region, the more advanced
     stays (ties: the smaller replica id). If some members are at a sync, the contributors are
     those of them with the most syncs committed; else (all are starting) those equal to the most
-    advanced (syncs and outer copy). Everyone else joins, each from a contributor in turn. The
-    cross groups are reused where every member holds the same ones (`key` otherwise)."""
+    advanced (syncs and outer copy). Everyone else joins, each from the contributor with the
+    fastest measured link to it (in turn where none is measured: `_sources`). The
+    cross groups are reused where every member holds the same ones, made for the same members
+    (`key` and their names otherwise)."""
     if not participants:
         raise ValueError("decide: a quorum has at least one participant")
     top = max(p.rank_key for p in participants)
@@ -143,9 +151,10 @@ def decide(participants: Sequence[Member], quorum_id: int, key: str, me: str) ->
         else:
             by_region[p.region] = p
     members = tuple(by_region[r] for r in sorted(by_region))
+    made_for = "/" + "+".join(m.region for m in members)  # a key names its groups' members
     held = {m.group for m in members}
-    if len(held) == 1 and "" not in held:
-        key = held.pop()
+    reuse = held.pop() if len(held) == 1 else ""
+    key = reuse if reuse.endswith(made_for) else key + made_for
     syncing = [i for i, m in enumerate(members) if m.step >= 0]
     if syncing:
         best = max(members[i].rank_key for i in syncing)
@@ -159,12 +168,36 @@ def decide(participants: Sequence[Member], quorum_id: int, key: str, me: str) ->
         )
         step, fragment = -1, 0
     joiners = tuple(i for i in range(len(members)) if i not in contributors)
-    sources = {j: contributors[n % len(contributors)] for n, j in enumerate(joiners)}
+    sources = _sources(members, contributors, joiners)
     index = next((i for i, m in enumerate(members) if m.replica_id == me), -1)
     return View(
         quorum_id, key, members, contributors, joiners, sources, tuple(refused), step,
         fragment, index,
     )  # fmt: skip
+
+
+def _sources(
+    members: Sequence[Member], contributors: Sequence[int], joiners: Sequence[int]
+) -> dict[int, int]:
+    """Each joiner's source: the contributor with the fastest link to it that a member has
+    measured (cloudtrain.replan; the fastest reading of any member counts), then the one with
+    the fewest joiners so far, then the first - so, with nothing measured, the joiners spread
+    over the contributors in turn."""
+    rate: dict[tuple[str, str], float] = {}
+    for m in members:
+        for a, b, bw in m.links:
+            rate[a, b] = max(bw, rate.get((a, b), 0.0))
+    load = dict.fromkeys(contributors, 0)
+    out = {}
+    for j in joiners:
+        to = members[j].region
+
+        def order(c: int, to: str = to) -> tuple[float, int, int]:
+            return (-rate.get((members[c].region, to), 0.0), load[c], c)
+
+        out[j] = min(contributors, key=order)
+        load[out[j]] += 1
+    return out
 
 
 def identity_of(description: dict[str, Any]) -> dict[str, str]:

@@ -62,11 +62,28 @@ def test_decide_all_starting_contribute_when_equal() -> None:
 
 
 def test_decide_reuses_the_cross_groups_only_where_every_member_holds_them() -> None:
-    a, b = member("a"), member("b")
-    held = [dataclasses.replace(m, group="g/1") for m in (a, b)]
-    assert decide(held, 2, "fresh", "a:x").key == "g/1"
-    assert decide([held[0], b], 2, "fresh", "a:x").key == "fresh"
-    assert decide([*held, member("c", 1, -1)], 2, "fresh", "a:x").key == "fresh"
+    a, b, c = member("a"), member("b"), member("c")
+    held = [dataclasses.replace(m, group="g/1/a+b") for m in (a, b)]
+    assert decide(held, 2, "fresh", "a:x").key == "g/1/a+b"
+    assert decide([held[0], b], 2, "fresh", "a:x").key == "fresh/a+b"
+    assert decide([*held, member("c", 1, -1)], 2, "fresh", "a:x").key == "fresh/a+b+c"
+    # a group that c was part of, c lost: a collective on it would wait for c - made anew
+    lost = [dataclasses.replace(m, group="g/1/a+b+c") for m in (a, b)]
+    assert decide(lost, 3, "fresh", "a:x").key == "fresh/a+b"
+    assert decide([*lost, dataclasses.replace(c, group="g/1/a+b+c")], 3, "f", "a:x").key == (
+        "g/1/a+b+c"
+    )
+
+
+def test_decide_gives_a_joiner_the_contributor_with_the_fastest_measured_link() -> None:
+    """The links the members announce (cloudtrain.replan) pick each joiner's source: the
+    fastest to it, whoever measured it; unmeasured, the joiners spread over the contributors."""
+    links = (("a", "d", 1e6), ("b", "d", 5e6), ("c", "d", 2e6), ("a", "e", 3e6))
+    ps = [member("a"), member("b"), member("c"), member("d", 1, -1), member("e", 1, -1)]
+    view = decide([dataclasses.replace(ps[0], links=links), *ps[1:]], 1, "k", "d:x")
+    assert view.joiners == (3, 4) and view.sources == {3: 1, 4: 0}
+    view = decide([*ps, member("f", 1, -1)], 1, "k", "d:x")  # nothing measured: in turn
+    assert view.sources == {3: 0, 4: 1, 5: 2}
 
 
 def test_decide_is_the_same_whatever_the_order() -> None:
@@ -92,8 +109,10 @@ def test_elastic_config_says_what_it_needs() -> None:
     with pytest.raises(ValueError, match="quorum_every"):
         CompressionConfig(codec="topk", level=0.01, elastic={"quorum_every": 0})
     assert CompressionConfig(codec="topk", level=0.01, elastic=True).elastic.quorum_every == 10
-    with pytest.raises(ValueError, match="outer.sync_every or outer.codec 'auto'"):
-        CompressionConfig(outer=OuterConfig(), elastic=True)
+    auto = CompressionConfig.resolve("diloco", elastic=True)  # planned for the regions present
+    assert auto.outer.sync_every == auto.outer.codec == "auto" and auto.elastic.min_regions == 1
+    with pytest.raises(ValueError, match="overlap=1"):
+        CompressionConfig(outer=OuterConfig(overlap=1), elastic=True)
     with pytest.raises(ValueError, match="unknown elastic options"):
         CompressionConfig(
             outer=OuterConfig(sync_every=10, codec="quant", level=8), elastic={"x": 1}
@@ -226,6 +245,69 @@ def test_per_step_region_killed_survivors_drop_one_step_and_it_rejoins(tmp_path)
     assert a["elastic"]["recovery_bytes_sent"] == b["elastic"]["recovery_bytes_received"] > 0
     first_sync_after_join_equal(cluster, "r0", again)
     assert a["accuracy"] > 0.9, a
+
+
+def plans_seen(run) -> list[tuple[tuple[str, ...], int]]:
+    """(regions, H) of each sync a region's first rank printed, in order, repeats dropped."""
+    out: list[tuple[tuple[str, ...], int]] = []
+    for ln in run.lines:
+        if "h" in ln and (not out or out[-1] != (tuple(ln["regions"]), ln["h"])):
+            out.append((tuple(ln["regions"]), ln["h"]))
+    return out
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_auto_outer_loop_plans_again_for_the_regions_present(tmp_path) -> None:
+    """The outer loop with sync_every and codec "auto", 3 regions of one rank on the emulated WAN
+    and a 1.1 M-parameter MLP: r2 is far (180 ms to the others; 80 ms between r0 and r1) and its
+    uplink slow (50 Mbit/s), r0's 100 Mbit/s, r1's 200. The first plan probes every pair and
+    syncs rarely enough for r2's round trip, the slower uplinks sending more compressed; r2
+    SIGKILLed, the survivors plan again for their own links - more often, without probing - and
+    when r2 is back (the same command) again for all three, from the links already measured. r2
+    takes the state from r1, whose link to it is the faster (the rule before the links were
+    measured would give r0), and all end equal."""
+    from cloudtrain.compress.ladders import OUTER_LADDER
+    from cloudtrain.plan import describe
+    from cloudtrain.tools.netem import Emulator, teardown
+
+    name = f"ep{os.getpid() % 10000}-{uuid.uuid4().hex[:3]}"
+    up = {"r0": 100, "r1": 200, "r2": 50, "lh": 100}
+    down = {"r0": 200, "r1": 200, "r2": 200, "lh": 100}
+    rtt = {"r0": 80, "r1": 80, "r2": 280, "lh": 0}  # a pair's round trip: the mean of its two
+    args = worker_args(
+        700, 0.08, hidden=1024, **{"sync-every": "auto", "codec": "auto", "start-regions": 3}
+    )
+    try:
+        with (
+            Emulator({"r0": 1, "r1": 1, "r2": 1, "lh": 1}, up, rtt, name, down) as wan,
+            cluster_on(wan, ["r0", "r1", "r2"], args, tmp_path) as cluster,
+        ):
+            r0, r1, r2 = (cluster.start(r) for r in ("r0", "r1", "r2"))
+            wait_until(lambda: r2.step >= 120, 150, "r2 at step 120")
+            r2.kill()
+            wait_until(lambda: any(ln["regions"] == ["r0", "r1"] for ln in r0.lines), 60, "r2 lost")
+            again = cluster.start("r2")
+            cluster.wait(200)
+    finally:
+        teardown(name)
+    seen = plans_seen(r0)
+    print("plans (regions, H) at r0's syncs:", seen, "\nr0's plan:", r0.result["elastic"]["plan"])
+    three, two = ("r0", "r1", "r2"), ("r0", "r1")
+    first = next(h for regions, h in seen if regions == three)
+    without = next(h for regions, h in seen if regions == two)
+    back = [h for regions, h in seen[seen.index((two, without)) :] if regions == three]
+    assert without < first and back and back[-1] > without, seen
+    a, c = r0.result["elastic"], again.result["elastic"]
+    assert a["links_probed"] == 6 and c["links_probed"] == 0  # the return measured nothing
+    assert a["replans"] >= 3 and a["plan"]["sync_every"] == back[-1]
+    rank = {describe(rung): i for i, rung in enumerate(OUTER_LADDER)}  # more compression: later
+    codecs = {r: rank[text] for r, text in a["plan"]["codecs"].items()}
+    assert codecs["r2"] >= codecs["r0"] >= codecs["r1"] and codecs["r2"] > codecs["r1"], a["plan"]
+    assert "took the state of region r1" in logs(tmp_path, "r2")
+    assert r0.result["digest"] == r1.result["digest"] == again.result["digest"]
+    assert r0.result["steps"] == again.result["steps"] == 700
+    first_sync_after_join_equal(cluster, "r0", again)
 
 
 @pytest.mark.timeout(240)

@@ -70,7 +70,8 @@ def _config(args: argparse.Namespace) -> Any:
             codec=args.codec, level=args.level, elastic={**elastic, "quorum_every": args.sync_every},
             timeout_s=120, controller=board,
         )  # fmt: skip
-    outer = OuterConfig(sync_every=args.sync_every, codec=args.codec, level=args.level)
+    level = None if args.codec == "auto" else args.level
+    outer = OuterConfig(sync_every=args.sync_every, codec=args.codec, level=level)
     return cloudtrain.CompressionConfig(
         codec="none", error_feedback=False, outer=outer, elastic=elastic, timeout_s=120,
         controller=board,
@@ -110,7 +111,9 @@ def _train(model: Any, opt: Any, args: argparse.Namespace, data: tuple, rank: in
     from cloudtrain.elastic import RegionLeft
 
     elastic = model.elastic
+    outer = model.outer
     while model.steps_done < _total(args):
+        commits = elastic.commits
         x, y = _draw(args, data, elastic.region, rank, elastic.k, model.steps_done)
         t0 = time.time()
         loss = F.cross_entropy(model(x), y)
@@ -124,8 +127,15 @@ def _train(model: Any, opt: Any, args: argparse.Namespace, data: tuple, rank: in
         if rank == 0:
             line = {"step": model.steps_done, "t": time.time(), "dt": time.time() - t0}
             line["regions"] = list(model.elastic.stats.regions)
-            if model.steps_done % args.sync_every == 0:  # just synced: the replica's digest
+            synced = (  # the outer loop's syncs (its H may be planned); per step, quorums
+                elastic.commits != commits
+                if outer is not None
+                else model.steps_done % args.sync_every == 0
+            )
+            if synced:  # the replica's digest
                 line["digest"] = _digest(model.module)
+                if outer is not None:
+                    line["h"] = outer.schedule.sync_every
             print(json.dumps(line), flush=True)
         if left:
             return True
@@ -567,7 +577,10 @@ def chaos_events(cluster: Cluster, args: argparse.Namespace) -> list[tuple[str, 
             if time.time() > deadline:
                 raise TimeoutError(f"chaos: the regions were not all back in {args.timeout} s")
             time.sleep(0.2)
-        h = args.sync_every
+        h = max(  # the H in force ("auto": as the regions print it at syncs)
+            (ln["h"] for r in names for ln in cluster.current[r].lines if "h" in ln),
+            default=args.sync_every if args.sync_every != "auto" else 10,
+        )
         stop = (max(cluster.current[r].step for r in names) // h + 3) * h
         with open(args.stop_file, "w") as f:
             f.write(str(stop))
@@ -616,6 +629,10 @@ def run_scenario(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def _int_or_auto(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 def _wait_step(cluster: Cluster, run: RegionProcs, step: int, timeout_s: float) -> None:
     deadline = time.time() + timeout_s
     while run.step < step:
@@ -643,8 +660,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="outer: the outer loop syncs every --sync-every steps; step: every step's gradients "
         "cross regions (per-step mode), a quorum every --sync-every steps",
     )  # fmt: skip
-    parser.add_argument("--sync-every", type=int, default=10)
-    parser.add_argument("--codec", default="quant")
+    parser.add_argument(
+        "--sync-every", type=_int_or_auto, default=10,
+        help="outer: H, or 'auto' (planned for the regions present); step: the quorum's interval",
+    )  # fmt: skip
+    parser.add_argument("--codec", default="quant", help="a codec, or 'auto' (outer mode)")
     parser.add_argument("--level", type=int, default=8)
     parser.add_argument("--min-regions", type=int, default=1)
     parser.add_argument(
@@ -681,6 +701,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if "auto" in (args.sync_every, args.codec) and (args.engine, args.mode) != (
+        "cloudtrain",
+        "outer",
+    ):
+        raise SystemExit(
+            "chaos: --sync-every auto and --codec auto are the outer loop's (--mode outer, "
+            "--engine cloudtrain); give a number and a codec"
+        )
     if args.worker:
         return worker_torchft(args) if args.engine == "torchft" else worker(args)
     report = run_scenario(args)
