@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -402,6 +403,8 @@ class CompressionConfig:
             elastic = repr(dataclasses.replace(fields["elastic"], lighthouse=None))
             if self.elastic.quorum_every == 10:  # (as outer's later fields) the default
                 elastic = elastic.replace(" quorum_every=10,", "")
+            # the Lighthouse's setting, not the run's (as its address)
+            elastic = re.sub(r", heartbeat_timeout_s=[^,)]*\)$", ")", elastic)
             fields["elastic"] = elastic
         if fields["global_batch"] is None:  # (as zstd)
             del fields["global_batch"]

@@ -37,9 +37,12 @@ one sync behind at the next quorum, and joins (heals) like a new one.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import math
 import os
+import statistics
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -66,6 +69,8 @@ __all__ = ["ElasticRefused", "ElasticRegion", "ElasticStats", "RegionLeft", "ide
 log = logging.getLogger("cloudtrain")
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+QUIET_WINDOW = 50
+"""Per step: the last steps whose median times a leaving region's quiet period (View.quiet)."""
 
 
 def _check_launch(options: Any, topo: Topology) -> tuple[str, str]:
@@ -200,13 +205,16 @@ class ElasticRegion:
         if self.book is not None:  # for the quorum's choice of a joiner's source
             self.members.links = [(a, b, p.bandwidth) for (a, b), p in self.book.pairs.items()]
         try:
-            return self.members.quorum(
+            view = self.members.quorum(
                 step, fragment, self.commits, self.replica.digest,
                 self._group_key,
             )  # fmt: skip
         except ElasticRefused:
             self.close()
             raise
+        if self.region in view.left:  # it announced it leaves: the others were told
+            self._leave(", the others told at the quorum")
+        return view
 
     def join(self) -> None:
         """Before the first step (all ranks of the region): take part in the next quorum; where
@@ -540,6 +548,10 @@ class ElasticSteps(ElasticRegion):
         self._generation = 0
         """Dropped steps so far: the region's groups are made anew after one (a collective one
         rank issued alone leaves a gloo group unusable)."""
+        self._quiet_until = 0
+        """No regular quorum before this many steps committed: a region left (View.quiet)."""
+        self._times: collections.deque[float] = collections.deque(maxlen=QUIET_WINDOW)
+        self._last = time.perf_counter()
 
     def _attempt(self, view: View) -> tuple[bool, bool]:
         ready, cross, loaded, changed = self._prepare(view)
@@ -565,6 +577,8 @@ class ElasticSteps(ElasticRegion):
                 topo.groups["dense"] = region
             self.comm.use_regions(topo, self.timeout)
         self._view = view
+        if view.quiet:  # the same count in every region: joiners took the source's commits
+            self._quiet_until = self.commits + view.quiet
         if self.buffers is not None:
             self._reconcile_buffers(view, cross, self.buffers)
         return self._committed(view, cross, changed, None), loaded
@@ -628,12 +642,22 @@ class ElasticSteps(ElasticRegion):
         )  # fmt: skip
 
     def after_step(self) -> None:
-        """After the optimizer's step: count it; a quorum when due (module docstring); then,
-        after a spot notice, the region leaves (RegionLeft)."""
+        """After the optimizer's step: count it; a quorum when due (module docstring). After a
+        spot notice the region leaves at its next quorum, announced (Member.leaving): the others
+        go on without it from there, with no step failed and no heartbeat timeout waited for,
+        and ask no regular quorum until its heartbeats have timed out in the Lighthouse."""
+        now = time.perf_counter()
+        self._times.append(now - self._last)
+        self._last = now
         if self._ok:
             self.commits += 1
-        if self.guard is not None and self.guard.should_stop():
-            self._leave("")
-        if self._ok and self.commits % self.every:
+        if self.guard is not None and not self.members.leaving and self.guard.should_stop():
+            if not self._ok:  # the others drop this step too, and find the region gone
+                self._leave("")
+            step_s = max(statistics.median(self._times), 1e-3)
+            self.members.leaving = max(1, math.ceil(self.options.heartbeat_timeout_s / step_s))
+        due = self.commits % self.every == 0 and self.commits >= self._quiet_until
+        if self._ok and not due:  # (a leaving region too: the others would not be there)
             return
         self._timed_until_committed(self.comm.step, 0)
+        self._last = time.perf_counter()  # a quorum's seconds are not a step's

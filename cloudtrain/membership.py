@@ -41,6 +41,8 @@ class ElasticStats:
     syncs: int = 0
     changes: int = 0
     lost: list[str] = field(default_factory=list)
+    left_regions: list[str] = field(default_factory=list)
+    """Regions that left at a quorum, handing over (per step: after a spot notice)."""
     joined: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
     failed_syncs: int = 0
@@ -99,6 +101,8 @@ class Membership:
         self.links: list[tuple[str, str, float]] = []
         """The links between regions this region knows, (from, to, bytes/s of one flow),
         announced in its quorum data (cloudtrain.replan; the quorum's choice of sources)."""
+        self.leaving = 0
+        """> 0: the region leaves at its next quorum (cloudtrain.quorum.Member.leaving)."""
         self._stop = threading.Event()
         self._client = self._heartbeat = self._store = None
         timeout = timedelta(seconds=options.exchange_timeout_s)
@@ -157,6 +161,7 @@ class Membership:
                 "digest": digest(),
                 "group": group_key,
                 "links": self.links,
+                "leaving": self.leaving,
             }
             try:
                 q = self._client.quorum(
@@ -188,6 +193,8 @@ class Membership:
         paused = False
         while True:
             view = self.ask(step, fragment, commits, digest, group_key)
+            if view is not None and self.region in view.left:
+                return view  # it leaves: the caller says so
             if view is not None and view.me < 0:
                 self.close()
                 why = dict(view.refused).get(self.replica_id, "")
@@ -230,15 +237,16 @@ class Membership:
         self.stats.regions, self.stats.quorum_id = regions, view.quorum_id
         if regions == self.last and not view.joiners:
             return False
-        lost = [r for r in self.last if r not in regions]
+        lost = [r for r in self.last if r not in regions and r not in view.left]
         joined = [view.members[j].region for j in view.joiners]
         self.stats.lost += lost
+        self.stats.left_regions += list(view.left)
         self.stats.joined += joined
         self.stats.changes += 1
         log.warning(
-            "cloudtrain elastic: region %s at step %s: regions %s (lost %s, joining %s; "
+            "cloudtrain elastic: region %s at step %s: regions %s (lost %s, left %s, joining %s; "
             "contributors %s) at %.3f",
-            self.region, view.step, list(regions), lost, joined,
+            self.region, view.step, list(regions), lost, list(view.left), joined,
             [view.members[i].region for i in view.contributors], time.time(),
         )  # fmt: skip
         return True

@@ -301,10 +301,17 @@ class ElasticConfig:
 
     spot: bool = False
     """Watch the EC2 spot notice on every rank (cloudtrain.spot.SpotWatcher); a notice makes the
-    region leave after the next sync, its pseudo-gradient handed over."""
+    region leave after the next sync, its pseudo-gradient handed over (per step: at its next
+    quorum, which the others are told at)."""
 
     spot_poll_s: float = 5.0
     """Seconds between two polls of the spot notice."""
+
+    heartbeat_timeout_s: float = 3.0
+    """The Lighthouse's --heartbeat-timeout-s (`cloudtrain lighthouse`'s default). Per step, a
+    region that leaves on a spot notice leaves at a quorum, and the others then ask no regular
+    quorum until this long has passed (in steps): the Lighthouse would hold their quorum until
+    the leaver's heartbeats have timed out. (Not part of the config's fingerprint.)"""
 
     def __post_init__(self) -> None:
         if self.lighthouse is not None and (
@@ -323,6 +330,7 @@ class ElasticConfig:
         if not isinstance(self.spot, bool):
             raise ValueError(f"elastic.spot={self.spot!r} must be True or False")
         _number("elastic.spot_poll_s", self.spot_poll_s, 0, 3600, open_lo=True)
+        _number("elastic.heartbeat_timeout_s", self.heartbeat_timeout_s, 0, 3600, open_lo=True)
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> ElasticConfig:

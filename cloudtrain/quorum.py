@@ -5,7 +5,7 @@ torchft's Lighthouse gives a quorum: the regions asking at a sync, each with wha
 `View` with no further message:
 
 - who is refused (another model, config, release or region size than the run's; a second
-  process claiming a region that is present),
+  process claiming a region that is present), and who leaves (a spot notice, per step),
 - who contributes to this sync (the regions at the sync with the most syncs committed) and who
   joins (every other: a new or restarted region, or one whose last sync failed),
 - from which contributor each joiner takes the state (the fastest measured link to it),
@@ -54,6 +54,9 @@ class Member:
     """The key of the cross groups it holds and whose last sync committed ("": none)."""
     links: tuple[tuple[str, str, float], ...] = ()
     """The links between regions it has measured: (from, to, bytes/s of one flow)."""
+    leaving: int = 0
+    """> 0: it leaves the run at this quorum (per step, after a spot notice), and the others ask
+    no regular quorum for this many steps, while its heartbeats time out in the Lighthouse."""
 
     @classmethod
     def of(cls, member: Any) -> Member:
@@ -71,6 +74,7 @@ class Member:
             store=member.store_address,
             group=str(data.get("group", "")),
             links=tuple((str(a), str(b), float(bw)) for a, b, bw in data.get("links") or ()),
+            leaving=int(data.get("leaving", 0)),
         )
 
     @property
@@ -102,7 +106,11 @@ class View:
     """The inner step of this sync; -1 when no member is at a sync (all are starting)."""
     fragment: int
     me: int
-    """This region's index, or -1 when it was refused."""
+    """This region's index, or -1 when it was refused or left."""
+    left: tuple[str, ...] = ()
+    """Regions that leave the run at this quorum (Member.leaving): not members."""
+    quiet: int = 0
+    """Steps from this quorum in which the members ask no regular quorum (Member.leaving)."""
 
     @property
     def regions(self) -> tuple[str, ...]:
@@ -150,7 +158,11 @@ def decide(participants: Sequence[Member], quorum_id: int, key: str, me: str) ->
             refused.append((p.replica_id, f"region {p.region!r} is in the run already"))
         else:
             by_region[p.region] = p
-    members = tuple(by_region[r] for r in sorted(by_region))
+    left = tuple(r for r in sorted(by_region) if by_region[r].leaving)
+    quiet = max((by_region[r].leaving for r in left), default=0)
+    members = tuple(by_region[r] for r in sorted(by_region) if r not in left)
+    if not members:  # every valid participant leaves
+        return View(quorum_id, key, (), (), (), {}, tuple(refused), -1, 0, -1, left, quiet)
     made_for = "/" + "+".join(m.region for m in members)  # a key names its groups' members
     held = {m.group for m in members}
     reuse = held.pop() if len(held) == 1 else ""
@@ -172,7 +184,7 @@ def decide(participants: Sequence[Member], quorum_id: int, key: str, me: str) ->
     index = next((i for i, m in enumerate(members) if m.replica_id == me), -1)
     return View(
         quorum_id, key, members, contributors, joiners, sources, tuple(refused), step,
-        fragment, index,
+        fragment, index, left, quiet,
     )  # fmt: skip
 
 

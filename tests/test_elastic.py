@@ -86,6 +86,19 @@ def test_decide_gives_a_joiner_the_contributor_with_the_fastest_measured_link() 
     assert view.sources == {3: 0, 4: 1, 5: 2}
 
 
+def test_decide_leaves_out_a_region_that_announces_it_leaves() -> None:
+    """Per step, a spot notice: the leaver takes part in the quorum announcing it leaves, the
+    others' view is without it (no failed step) and says how long to ask no regular quorum."""
+    leaving = dataclasses.replace(member("b"), leaving=12)
+    view = decide([member("a"), leaving, member("c")], 4, "k", "a:x")
+    assert view.regions == ("a", "c") and view.left == ("b",) and view.quiet == 12
+    assert view.contributors == (0, 1) and view.me == 0 and view.key == "k/a+c"
+    mine = decide([member("a"), leaving, member("c")], 4, "k", "b:x")
+    assert mine.me == -1 and "b" in mine.left and not mine.refused
+    alone = decide([leaving], 5, "k", "b:x")
+    assert alone.members == () and alone.left == ("b",) and alone.me == -1
+
+
 def test_decide_is_the_same_whatever_the_order() -> None:
     ps = [member("a"), member("b", 2, 20), member("c", 3, 30), member("d", 0, -1)]
     views = set()
@@ -352,6 +365,33 @@ def test_spot_notice_leaves_at_a_sync_a_mismatched_joiner_is_refused(tmp_path) -
         assert max(after) <= 2 * sync + 0.5, (max(after), sync)
         assert "leaves after step" in logs(tmp_path, "r1")
         assert "resumes" in logs(tmp_path, "r0")
+
+
+@pytest.mark.timeout(120)
+def test_per_step_a_spot_notice_leaves_at_a_quorum_the_other_does_not_stall(tmp_path) -> None:
+    """Per step on loopback: a spot notice in r1 makes it leave at its next quorum, announced -
+    r0 drops no step and waits for no heartbeat timeout (before: a failed exchange, a dropped
+    step and the Lighthouse's 1.5 s), and asks no quorum while r1's heartbeats time out."""
+    net = chaos.LocalNet({"r0": 1, "r1": 1, "lh": 1})
+    args = worker_args(300, 0.02, mode="step", spot=True, **{"spot-poll": 0.2})
+    with (
+        _serve_imds() as imds,
+        _serve_imds() as quiet,
+        cluster_on(net, ["r0", "r1"], args, tmp_path) as cluster,
+    ):
+        r0 = cluster.start("r0", {"CLOUDTRAIN_IMDS_ENDPOINT": quiet.url})
+        r1 = cluster.start("r1", {"CLOUDTRAIN_IMDS_ENDPOINT": imds.url})
+        wait_until(lambda: r1.step >= 40, 90, "r1 at step 40")
+        noticed = time.time()
+        imds.notice = NOTICE
+        cluster.wait(120)
+    assert r1.result["left"] and r1.result["steps"] < 300 and r0.result["steps"] == 300
+    a = r0.result["elastic"]
+    assert a["left_regions"] == ["r1"] and a["lost"] == [] and a["failed_syncs"] == 0, a
+    quorums = sorted(ln["dt"] for ln in r0.lines if ln["t"] < noticed and "digest" in ln)
+    after = max(ln["dt"] for ln in r0.lines if ln["t"] > noticed)
+    assert after <= 2 * quorums[len(quorums) // 2] + 0.3, (after, quorums)
+    assert "the others told at the quorum" in logs(tmp_path, "r1")
 
 
 @pytest.mark.timeout(240)
