@@ -38,11 +38,13 @@ one sync behind at the next quorum, and joins (heals) like a new one.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import math
 import os
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -58,7 +60,7 @@ from .membership import ElasticStats, Membership
 from .options import AUTO
 from .outer import DECIDE_AFTER, Schedule
 from .plan import Plan, describe
-from .quorum import ElasticRefused, RegionLeft, View, identity_of
+from .quorum import ElasticRefused, RegionLeft, View, identity_of, spare_key
 from .replan import MIN_STEP_S, LinkBook, agree_links
 from .stats import Scalars
 from .topology import AUTO_REGION, Topology
@@ -103,12 +105,22 @@ def cross_group(store: Any, rank: int, size: int, timeout: timedelta, ranks: Seq
     that it can be made and dropped with each quorum. Group rank i stands for rank `ranks[i]` of
     the quorum's Topology: that translation is registered (`release_group` removes it), so the
     exchange's point-to-point calls (`dst=` a Topology rank) work on it unchanged."""
+    return register_ranks(gloo_group(store, rank, size, timeout), ranks)
+
+
+def gloo_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    """`cross_group`'s group, its ranks not yet registered (so it can be made on a thread)."""
     pg = dist.ProcessGroup(store, rank, size)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     backend = dist.ProcessGroupGloo(store, rank, size, timeout)
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     if torch.cuda.is_available():
         pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return pg
+
+
+def register_ranks(pg: Any, ranks: Sequence[int]) -> Any:
+    """Group rank i of `pg` stands for Topology rank `ranks[i]` (`cross_group`)."""
     dist.distributed_c10d._world.pg_group_ranks[pg] = {r: i for i, r in enumerate(ranks)}
     return pg
 
@@ -119,6 +131,75 @@ def release_group(pg: Any) -> None:
     if pg is None:
         return
     dist.distributed_c10d._world.pg_group_ranks.pop(pg, None)
+
+
+class SpareGroups:
+    """This rank's cross groups made ahead for the quorums that lose one region.
+
+    Making a gloo group across the WAN takes several round trips (its rendezvous on a TCP store
+    and the connections: 0.6 s at 80 ms was measured), and the survivors of a lost region would
+    wait for it between noticing the loss and going on. So after a sync of three or more regions
+    commits, every rank makes, on threads, its shard's group of each set of those regions less
+    one (`cloudtrain.quorum.spare_key`); each region announces whose spares it holds
+    (Member.spares), and a quorum of exactly such a set runs on the one made for it. Spares are
+    dropped when the next are made, or once one is taken (they include the lost region)."""
+
+    def __init__(self, local: int, k: int, timeout: timedelta) -> None:
+        self.local, self.k, self.timeout = local, k, timeout
+        self.key = ""
+        """The quorum key whose spares are held ("": none)."""
+        self._made: dict[str, concurrent.futures.Future] = {}
+
+    def make(self, view: View) -> None:
+        """After `view`'s sync committed (every rank of the region alike)."""
+        if view.key == self.key:
+            return
+        self.release()
+        if len(view.members) < 3:  # one region lost leaves one: no group across
+            return
+        self.key = view.key
+        for lost in view.regions:
+            if lost == view.regions[view.me]:
+                continue
+            regions = [r for r in view.regions if r != lost]
+            key = spare_key(view.key, lost, regions)
+            me = regions.index(view.regions[view.me])
+            made: concurrent.futures.Future = concurrent.futures.Future()
+            args = (made, key, view.store, me, len(regions))
+            # a daemon: a group whose rendezvous waits for a region lost meanwhile must not hold
+            # the process's exit up (it gives up after the timeout)
+            threading.Thread(
+                target=self._make, args=args, name="cloudtrain-spare", daemon=True
+            ).start()
+            self._made[key] = made
+
+    def _make(
+        self, made: concurrent.futures.Future, key: str, address: str, me: int, size: int
+    ) -> None:
+        try:
+            host, port = address.rsplit(":", 1)  # a client of its own: the thread's
+            store = dist.TCPStore(
+                host, int(port), is_master=False, wait_for_workers=False, timeout=self.timeout
+            )
+            prefixed = dist.PrefixStore(f"{key}/cross{self.local}", store)
+            made.set_result(gloo_group(prefixed, me, size, self.timeout))
+        except BaseException as e:
+            made.set_exception(e)
+
+    def take(self, view: View) -> Any:
+        """The group made ahead for `view` (waited for; its error raised), or None; the other
+        spares are dropped."""
+        made = self._made.pop(view.key, None)
+        self.release()
+        if made is None:
+            return None
+        group = made.result(timeout=self.timeout.total_seconds())
+        return register_ranks(group, [r * self.k + self.local for r in range(len(view.members))])
+
+    def release(self) -> None:
+        """Forget the spares (one still being made is dropped once made)."""
+        self._made.clear()
+        self.key = ""
 
 
 def view_topology(
@@ -165,6 +246,7 @@ class ElasticRegion:
             replica,
         )  # fmt: skip
         self._stores: dict[str, Any] = {}
+        self.spares = SpareGroups(self.local, self.k, self.timeout)
         self._received: dict[str, Any] | None = None
         self._group: Any = None
         """The last quorum's cross group (released when the next is made)."""
@@ -192,6 +274,7 @@ class ElasticRegion:
     def close(self) -> None:
         """Stop heartbeating: the Lighthouse leaves this region out after its heartbeat timeout."""
         self.members.close()
+        self.spares.release()
         if self.guard is not None and self.guard.watcher is not None:
             self.guard.watcher.stop(0)
         if self.scalars is not None:
@@ -204,6 +287,7 @@ class ElasticRegion:
             self._group_key = ""
         if self.book is not None:  # for the quorum's choice of a joiner's source
             self.members.links = [(a, b, p.bandwidth) for (a, b), p in self.book.pairs.items()]
+        self.members.spares = self.spares.key
         try:
             view = self.members.quorum(
                 step, fragment, self.commits, self.replica.digest,
@@ -418,8 +502,14 @@ class ElasticRegion:
         self.stats.syncs += 1
         self.members.last = view.regions
         if changed and len(view.members) > 1:
-            self._verify(view, cross)
+            self._verify_change(view, cross)
+        if self._group_key:
+            self.spares.make(view)
         return True
+
+    def _verify_change(self, view: View, cross: Any) -> None:
+        """After a sync whose membership changed: the regions' outer copies compared."""
+        self._verify(view, cross)
 
     def _failed(self, view: View, why: str) -> bool:
         self.stats.failed_syncs += 1
@@ -448,11 +538,14 @@ class ElasticRegion:
         address = view.store
         t0 = time.perf_counter()
         try:
-            prefixed = dist.PrefixStore(f"{view.key}/cross{self.local}", self._store(address))
-            ranks = [r * self.k + self.local for r in range(len(view.members))]
             release_group(self._group)
-            self._group = None
-            self._group = cross_group(prefixed, view.me, len(view.members), self.timeout, ranks)
+            self._group = self.spares.take(view)  # made ahead, where it was
+            if self._group is not None:
+                log.info("cloudtrain elastic: regions %s on groups made ahead", list(view.regions))
+            else:
+                prefixed = dist.PrefixStore(f"{view.key}/cross{self.local}", self._store(address))
+                ranks = [r * self.k + self.local for r in range(len(view.members))]
+                self._group = cross_group(prefixed, view.me, len(view.members), self.timeout, ranks)
             return self._group
         except Exception as e:
             what = f"making the cross-region group on {address}"
@@ -614,6 +707,22 @@ class ElasticSteps(ElasticRegion):
             release_group(group)
         self._region_groups.clear()
         self._generation += 1
+
+    def _verify_change(self, view: View, cross: Any) -> None:
+        """After a quorum whose membership changed: the present regions' parameters compared,
+        with no message - the contributors announced their digests in the quorum (taken between
+        the same steps), and a joiner's state was checked against its source's on loading."""
+        from .hook import ReplicaMismatch
+
+        digests = {view.members[i].digest for i in view.contributors}
+        if len(digests) > 1:
+            seen = ", ".join(
+                f"{view.members[i].region} {view.members[i].digest:#x}" for i in view.contributors
+            )
+            raise ReplicaMismatch(
+                f"cloudtrain elastic: at step {view.step} the parameter sets differ between the "
+                f"regions: {seen}"
+            )
 
     def verify(self) -> None:
         """CloudDDP.verify_replicas() in a per-step elastic run: the present regions' parameters'

@@ -103,6 +103,8 @@ class Membership:
         announced in its quorum data (cloudtrain.replan; the quorum's choice of sources)."""
         self.leaving = 0
         """> 0: the region leaves at its next quorum (cloudtrain.quorum.Member.leaving)."""
+        self.spares = ""
+        """The quorum key whose spare groups the region holds (Member.spares)."""
         self._stop = threading.Event()
         self._client = self._heartbeat = self._store = None
         timeout = timedelta(seconds=options.exchange_timeout_s)
@@ -162,6 +164,7 @@ class Membership:
                 "group": group_key,
                 "links": self.links,
                 "leaving": self.leaving,
+                "spares": self.spares,
             }
             try:
                 q = self._client.quorum(

@@ -57,6 +57,9 @@ class Member:
     leaving: int = 0
     """> 0: it leaves the run at this quorum (per step, after a spot notice), and the others ask
     no regular quorum for this many steps, while its heartbeats time out in the Lighthouse."""
+    spares: str = ""
+    """The key of the quorum for whose members less one region it made cross groups ahead
+    (cloudtrain.elastic.SpareGroups; "": none)."""
 
     @classmethod
     def of(cls, member: Any) -> Member:
@@ -75,6 +78,7 @@ class Member:
             group=str(data.get("group", "")),
             links=tuple((str(a), str(b), float(bw)) for a, b, bw in data.get("links") or ()),
             leaving=int(data.get("leaving", 0)),
+            spares=str(data.get("spares", "")),
         )
 
     @property
@@ -163,10 +167,7 @@ def decide(participants: Sequence[Member], quorum_id: int, key: str, me: str) ->
     members = tuple(by_region[r] for r in sorted(by_region) if r not in left)
     if not members:  # every valid participant leaves
         return View(quorum_id, key, (), (), (), {}, tuple(refused), -1, 0, -1, left, quiet)
-    made_for = "/" + "+".join(m.region for m in members)  # a key names its groups' members
-    held = {m.group for m in members}
-    reuse = held.pop() if len(held) == 1 else ""
-    key = reuse if reuse.endswith(made_for) else key + made_for
+    key = _group_key(members, key)
     syncing = [i for i, m in enumerate(members) if m.step >= 0]
     if syncing:
         best = max(members[i].rank_key for i in syncing)
@@ -186,6 +187,36 @@ def decide(participants: Sequence[Member], quorum_id: int, key: str, me: str) ->
         quorum_id, key, members, contributors, joiners, sources, tuple(refused), step,
         fragment, index, left, quiet,
     )  # fmt: skip
+
+
+def spare_key(parent: str, lost: str, regions: Sequence[str]) -> str:
+    """The key of the cross groups made ahead under quorum key `parent` for its members less
+    `lost` (`regions`, in order; cloudtrain.elastic.SpareGroups)."""
+    return f"{parent}/-{lost}/{'+'.join(regions)}"
+
+
+def _made_for(key: str) -> list[str]:
+    """The regions a group key's groups were made for (its last part)."""
+    return key.rsplit("/", 1)[-1].split("+")
+
+
+def _group_key(members: Sequence[Member], fresh: str) -> str:
+    """The key of the cross groups a quorum of `members` runs on. A key ends with the regions its
+    groups were made for: the groups every member holds where they were made for these
+    members; else, where these are the members of the quorum whose spares every member made
+    less one region, that spare; else new ones (`fresh` and the regions)."""
+    names = [m.region for m in members]
+    made_for = "/" + "+".join(names)
+    held = {m.group for m in members}
+    reuse = held.pop() if len(held) == 1 else ""
+    if reuse.endswith(made_for):
+        return reuse
+    spares = {m.spares for m in members}
+    parent = spares.pop() if len(spares) == 1 else ""
+    lost = set(_made_for(parent)) - set(names) if parent else set()
+    if len(lost) == 1 and set(names) < set(_made_for(parent)):
+        return spare_key(parent, lost.pop(), names)
+    return fresh + made_for
 
 
 def _sources(

@@ -75,6 +75,17 @@ def test_decide_reuses_the_cross_groups_only_where_every_member_holds_them() -> 
     )
 
 
+def test_decide_runs_the_survivors_of_a_lost_region_on_the_groups_made_ahead() -> None:
+    """Every member made spare groups under quorum key K (SpareGroups): a quorum of K's regions
+    less one runs on the spare made for it; less two, or a region not in K, on new groups."""
+    parent = "q7/1.2/a+b+c+d"
+    a, b, _, d, e = (dataclasses.replace(member(r), spares=parent) for r in "abcde")
+    assert decide([a, b, d], 8, "fresh", "a:x").key == "q7/1.2/a+b+c+d/-c/a+b+d"
+    assert decide([a, b], 8, "fresh", "a:x").key == "fresh/a+b"  # two lost
+    assert decide([a, b, d, e], 8, "fresh", "a:x").key == "fresh/a+b+d+e"
+    assert decide([a, b, member("d")], 8, "fresh", "a:x").key == "fresh/a+b+d"  # d holds none
+
+
 def test_decide_gives_a_joiner_the_contributor_with_the_fastest_measured_link() -> None:
     """The links the members announce (cloudtrain.replan) pick each joiner's source: the
     fastest to it, whoever measured it; unmeasured, the joiners spread over the contributors."""
