@@ -18,8 +18,10 @@ the data (`--mode step`: per-step mode, every step's gradients crossing). Scenar
 Reports (JSON with --json): the survivors' longest step around each kill and their normal sync,
 the detection time (kill to the survivors' quorum without the region), the join time (restart to
 the region's first committed sync), `rejoined_s` (restart to its first sync with parameters equal
-to another region's), the bytes moved for recovery, test accuracy against the baseline, and
-whether every present region ends with the same parameters.
+to another region's), the bytes moved for recovery (cloudtrain's count; and, whichever engine
+trains, `join_rx_bytes`: what the restarted region's WAN link received from its restart to
+`rejoined_s` - the state, its syncs and the quorums' traffic, from the interface counters), test
+accuracy against the baseline, and whether every present region ends with the same parameters.
 
 `--engine torchft` runs the same regions, model, data and schedule with torchft's own DiLoCo
 (its Manager, Lighthouse quorum and live healing; `worker_torchft`) on the same links, for the
@@ -594,6 +596,7 @@ def run_scenario(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"scenario": args.scenario, "regions": names, "ranks": args.ranks}
     if args.scenario == "chaos" and not args.stop_file:  # the run ends once all are back
         args.stop_file = os.path.join(tempfile.mkdtemp(prefix="cloudtrain-chaos-"), "stop")
+    stop, samples = threading.Event(), []
     with network(args, layout) as (net, described):
         report["network"] = described
         ports = free_ports(len(names) + 1) if args.local else None
@@ -609,17 +612,25 @@ def run_scenario(args: argparse.Namespace) -> dict[str, Any]:
                 victim.kill()
                 events.append(("kill", victim))
                 time.sleep(args.restart_after)
+                if not args.local:  # what its link receives from now on (join_rx_bytes)
+                    samples = _sample_rx(net, victim.name, stop)
                 events.append(("start", cluster.start(victim.name)))
             elif args.scenario == "chaos":
                 events = chaos_events(cluster, args)
             cluster.wait(args.timeout)
         finally:
+            stop.set()
             cluster.stop()
         report["events"] = [(kind, run.name, run.killed or run.started) for kind, run in events]
         report["around_kills"] = [
             survivors_around(cluster, run) for kind, run in events if kind == "kill"
         ]
         report["rejoined_s"] = [rejoined_s(cluster, run) for kind, run in events if kind == "start"]
+        if samples:  # from the restart to its first sync equal to another region's
+            back = report["rejoined_s"][0]
+            t0, rx0 = samples[0]
+            rx = next((b for t, b in samples if back is not None and t >= t0 + back), None)
+            report["join_rx_bytes"] = None if rx is None else rx - rx0
         finals = {r: cluster.current[r].result for r in names}
         report["results"] = finals
         digests = [res["digest"] for res in finals.values() if res and "digest" in res]
@@ -627,6 +638,18 @@ def run_scenario(args: argparse.Namespace) -> dict[str, Any]:
         if not args.local:
             report["counters"] = net.counters()
     return report
+
+
+def _sample_rx(net: Any, region: str, stop: threading.Event) -> list[tuple[float, int]]:
+    """(time, bytes received by `region`'s WAN link) every 0.1 s from now until `stop`."""
+    samples = [(time.time(), net.counters()[region]["rx_bytes"])]
+
+    def sample() -> None:
+        while not stop.wait(0.1):
+            samples.append((time.time(), net.counters()[region]["rx_bytes"]))
+
+    threading.Thread(target=sample, daemon=True).start()
+    return samples
 
 
 def _int_or_auto(text: str) -> int | str:
