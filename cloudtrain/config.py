@@ -252,12 +252,11 @@ class CompressionConfig:
             )
 
     def _check_elastic_steps(self) -> None:
-        """Per-step mode: a fixed codec, exchanges finished within their step."""
-        if self.codec == AUTO:
+        """Per-step mode: exchanges finished within their step, shares of a fixed world."""
+        if self.global_batch is not None:
             raise ValueError(
-                "elastic=... per step with codec 'auto': the controller does not yet re-plan for "
-                "a changing set of links; give a fixed codec (e.g. codec='topk', level=0.01, or "
-                "codec='quant', level=8), or run the outer loop (e.g. 'diloco-4bit') elastic"
+                f"elastic=... with global_batch={self.global_batch}: batch shares by throughput "
+                "are planned for a fixed set of ranks; leave global_batch unset in an elastic run"
             )
         if self.staleness:
             raise ValueError(

@@ -25,15 +25,17 @@ it on a sample of its own packet at the rung it sends with.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
+from .collectives import CommError, collective_failure
 from .config import CompressionConfig, ControllerOptions
 from .costs import bandwidth_in_range
 from .estimates import (
@@ -52,6 +54,19 @@ from .topology import Topology
 log = logging.getLogger("cloudtrain")
 
 
+def calibrate(
+    codecs: Codecs,
+    options: ControllerOptions,
+    shard_numels: Sequence[int],
+    senders: int,
+    device: Any = "cpu",
+) -> list[float]:
+    """CPU seconds per shard element of each rung of the ladder, timed on this rank
+    (estimates.time_rungs) on a shard of the model's size (at most 1 M elements)."""
+    numel = max(1, min(sum(shard_numels), 1 << 20))
+    return time_rungs(codecs, options.ladder, numel, senders, device)
+
+
 class Controller:
     """Plans levels for CloudDDP's "auto" config (module docstring)."""
 
@@ -63,9 +78,21 @@ class Controller:
         shard_numels: Sequence[int],
         device: Any = "cpu",
         shares: BatchShares | None = None,
+        *,
+        calibration: Sequence[float] | None = None,
+        own: Topology | None = None,
     ) -> None:
-        """`shares`: with a global batch, the schedule of batch shares the decisions write."""
+        """`shares`: with a global batch, the schedule of batch shares the decisions write. An
+        elastic run's controller of the regions present (cloudtrain.elastic.ElasticSteps) is
+        given the CPU seconds per element of each rung agreed by the regions (`calibration`;
+        else timed on rank 0 now) and `own`, a topology whose "control" group is the
+        decisions' alone (else made now: Topology.private)."""
         self.options: ControllerOptions = config.controller
+        self._timeout = (  # the decisions' groups' (an elastic run makes its own per quorum)
+            (config.elastic.exchange_timeout_s, "elastic.exchange_timeout_s")
+            if config.elastic is not None
+            else (config.timeout_s, "CompressionConfig.timeout_s")
+        )
         self.shares = shares
         self.codecs, self.topo = codecs, topo
         regions = len(topo.regions)
@@ -86,9 +113,11 @@ class Controller:
         )
         self.reprobe = False  # the links are re-probed at the next decision
         self.probe_sent = 0  # bytes this rank sent re-probing, not yet taken into CommStats
-        self.planner = Planner(config, codecs, topo, self._calibrate(shard_numels, device))
+        if calibration is None:
+            calibration = self._calibrate(shard_numels, device)
+        self.planner = Planner(config, codecs, topo, calibration)
         # decisions are gathered and made on a thread of their own (decide)
-        self.own = topo.private(("control",), config.timeout)
+        self.own = own or topo.private(("control",), config.timeout)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cloudtrain-plan")
         self._pending: concurrent.futures.Future | None = None
         self.next_due, self.interval = FIRST_DECISION, self.options.interval
@@ -102,9 +131,8 @@ class Controller:
         broadcast (all ranks call)."""
         per_element: list[Any] = [None]
         if self.topo.rank == 0:
-            numel = max(1, min(sum(shard_numels), 1 << 20))
             senders = len(self.topo.regions)
-            per_element[0] = time_rungs(self.codecs, self.options.ladder, numel, senders, device)
+            per_element[0] = calibrate(self.codecs, self.options, shard_numels, senders, device)
         dist.broadcast_object_list(per_element, src=0, group=self.topo.group("control"))
         return per_element[0]
 
@@ -169,7 +197,9 @@ class Controller:
         """On the controller's thread: everyone's observations to rank 0, its decision back."""
         t0 = time.perf_counter()
         gathered: list[Any] = [None] * self.topo.world_size
-        dist.all_gather_object(gathered, mine, group=self.own.group("control"))
+        group = self.own.group("control")
+        with self._lost_peer("the decision's gathering", step, t0):
+            dist.all_gather_object(gathered, mine, group=group)
         decision: list[Any] = [None]
         if self.topo.rank == 0:
             took = time.perf_counter() - t0
@@ -178,8 +208,23 @@ class Controller:
                 None if self.shares is None else self.shares.latest, self.interval,
             )  # fmt: skip
             decision[0] = self.planner.decide(step, now, gathered, ran, took)
-        dist.broadcast_object_list(decision, src=0, group=self.own.group("control"))
+        with self._lost_peer("the decision's broadcast", step, t0):
+            dist.broadcast_object_list(decision, src=0, group=group)
         return decision[0]
+
+    @contextlib.contextmanager
+    def _lost_peer(self, what: str, step: int, t0: float) -> Iterator[None]:
+        """A collective of the decisions across regions: a peer lost in it is a CommError (an
+        elastic run's step then fails, not the run: cloudtrain.elastic)."""
+        try:
+            yield
+        except Exception as e:
+            ranks = list(range(self.topo.world_size))
+            text = collective_failure(
+                what, ranks, self.topo.rank, f" at step {step}", time.perf_counter() - t0, e,
+                timeout_s=self._timeout[0], knob=self._timeout[1],
+            )  # fmt: skip
+            raise CommError(text) from e
 
     def _reprobe(self) -> list[list[float]]:
         """A brief measurement of the links between regions (all ranks call; no gathering in
@@ -189,10 +234,11 @@ class Controller:
         waits for it, so none sends across regions while it runs."""
         topo, est = self.topo, self.estimates
         shows = est.slowest * topo.shards * max(MIN_TRANSFER_S, 2 * max(est.rtt))
-        links = topo.measure(
-            self.own.group("control"), "links re-probed", across=True, repeats=2,
-            start_bytes=int(min(max(shows, BURST_BYTES), 1 << 24)),
-        )  # fmt: skip
+        with self._lost_peer("the links' re-probe", self.next_due, time.perf_counter()):
+            links = topo.measure(
+                self.own.group("control"), "links re-probed", across=True, repeats=2,
+                start_bytes=int(min(max(shows, BURST_BYTES), 1 << 24)),
+            )  # fmt: skip
         self.probe_sent += links.sent  # taken by the hook between steps (take_probe_sent)
         leaders = [m[0] for m in topo.members]
         return [[links.beta[la][lb] for lb in leaders] for la in leaders]

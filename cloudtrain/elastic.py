@@ -12,9 +12,11 @@ Where each part lives:
 - cloudtrain.quorum: `decide`, a pure function of a quorum that every rank of every region
   computes alike - who is refused, who contributes, who joins and from whom;
 - cloudtrain.transfer: the live state transfer to a joiner, checked by sha256 and digest;
+- cloudtrain.replan: the links between regions and an "auto" outer loop's plan for the regions
+  present;
 - here: the sync over the regions present, redone until it commits (`ElasticRegion`); per step,
   without an outer loop, the hook's exchanges on the last quorum's groups, a failed step dropped
-  (`ElasticSteps`, docs/elastic.md "Per-step mode").
+  (`ElasticSteps`, docs/elastic.md "Per-step mode"); groups made ahead (`SpareGroups`).
 
 Per quorum each rank makes one gloo group of its own (`cross_group`) with its shard's owners in
 the present regions (rank = region index), on the TCP store of the first contributor (kept while the
@@ -144,8 +146,10 @@ class SpareGroups:
     (Member.spares), and a quorum of exactly such a set runs on the one made for it. Spares are
     dropped when the next are made, or once one is taken (they include the lost region)."""
 
-    def __init__(self, local: int, k: int, timeout: timedelta) -> None:
-        self.local, self.k, self.timeout = local, k, timeout
+    def __init__(self, local: int, k: int, timeout: timedelta, control: bool = False) -> None:
+        """`control`: each spare also has the group of all the regions' ranks (per step with
+        "auto": the controller's decisions)."""
+        self.local, self.k, self.timeout, self.control = local, k, timeout, control
         self.key = ""
         """The quorum key whose spares are held ("": none)."""
         self._made: dict[str, concurrent.futures.Future] = {}
@@ -182,19 +186,29 @@ class SpareGroups:
                 host, int(port), is_master=False, wait_for_workers=False, timeout=self.timeout
             )
             prefixed = dist.PrefixStore(f"{key}/cross{self.local}", store)
-            made.set_result(gloo_group(prefixed, me, size, self.timeout))
+            cross = gloo_group(prefixed, me, size, self.timeout)
+            control = None
+            if self.control:
+                prefixed = dist.PrefixStore(f"{key}/control", store)
+                control = gloo_group(
+                    prefixed, me * self.k + self.local, size * self.k, self.timeout
+                )
+            made.set_result((cross, control))
         except BaseException as e:
             made.set_exception(e)
 
-    def take(self, view: View) -> Any:
-        """The group made ahead for `view` (waited for; its error raised), or None; the other
-        spares are dropped."""
+    def take(self, view: View) -> tuple[Any, Any] | None:
+        """The groups made ahead for `view` (waited for; its error raised): this rank's shard's
+        and, with `control`, all ranks'; or None. The other spares are dropped."""
         made = self._made.pop(view.key, None)
         self.release()
         if made is None:
             return None
-        group = made.result(timeout=self.timeout.total_seconds())
-        return register_ranks(group, [r * self.k + self.local for r in range(len(view.members))])
+        cross, control = made.result(timeout=self.timeout.total_seconds())
+        n = len(view.members)
+        if control is not None:
+            register_ranks(control, range(n * self.k))
+        return register_ranks(cross, [r * self.k + self.local for r in range(n)]), control
 
     def release(self) -> None:
         """Forget the spares (one still being made is dropped once made)."""
@@ -246,17 +260,24 @@ class ElasticRegion:
             replica,
         )  # fmt: skip
         self._stores: dict[str, Any] = {}
-        self.spares = SpareGroups(self.local, self.k, self.timeout)
+        self.auto = config.outer is None and config.codec == AUTO  # per step: a controller
+        self.spares = SpareGroups(self.local, self.k, self.timeout, control=self.auto)
         self._received: dict[str, Any] | None = None
         self._group: Any = None
         """The last quorum's cross group (released when the next is made)."""
+        self.control: Any = None
+        """Its group of every present rank, where one was made (ElasticSteps with "auto")."""
         self._group_key = ""
         """Its key while its last sync committed; "" once a sync on it failed."""
         self.book: LinkBook | None = None
-        """The links measured between regions, where the outer loop's H or codec is "auto":
-        its schedule is then planned for the regions present (cloudtrain.replan)."""
-        if self.loop is not None and AUTO in (config.outer.sync_every, config.outer.codec):
+        """The links measured between regions, where the outer loop's H or codec is "auto" (its
+        schedule is then planned for the regions present: cloudtrain.replan), or per step with
+        "auto" (a controller is made for them: ElasticSteps)."""
+        if self.auto or (
+            self.loop is not None and AUTO in (config.outer.sync_every, config.outer.codec)
+        ):
             self.book = LinkBook()
+        if self.loop is not None and self.book is not None:
             self.loop.schedule = Schedule(DECIDE_AFTER, (), 0.0, False)  # provisional
         self.guard = None
         if self.options.spot:
@@ -430,27 +451,12 @@ class ElasticRegion:
 
     def _replan(self, view: View, cross: Any) -> Schedule:
         """The schedule for the regions of `view` (cloudtrain.replan; every rank of the region):
-        the region's first rank agrees on the links and the slowest step with the others' first
-        ranks, probing the pairs no region has measured, and shares the result in the region;
+        the links agreed with the other regions (`_agreed_links`) and the slowest region's step;
         every rank then chooses the same schedule. A failure is a CommError on every rank."""
-        assert self.book is not None and self.loop is not None
+        assert self.loop is not None
         loop, t0 = self.loop, time.perf_counter()
-        got: list[Any] = [None]
-        if self.local == 0:
-            try:
-                if cross is None:  # alone
-                    got[0] = (self.book, max(loop._step_s(), MIN_STEP_S), 0)
-                else:
-                    got[0] = agree_links(
-                        self.book, view.regions, cross, loop._step_s(), view.quorum_id
-                    )
-            except Exception as e:
-                got[0] = self._making_failed("planning the links", view.regions, view, t0, e)
-        dist.broadcast_object_list(got, src=0, group=self.group)  # inside the region
-        if isinstance(got[0], CommError):
-            raise got[0]
-        self.book, step_s, probed = got[0]
-        self.stats.links_probed += probed
+        steps, probed = self._agreed_links(view, cross, loop._step_s())
+        step_s = max(max(steps), MIN_STEP_S)
         links = self.book.links(view.regions, loop.cut)
         chosen = loop.choose(links, step_s)
         schedule = dataclasses.replace(chosen, regions=view.regions, start=view.step)
@@ -461,6 +467,31 @@ class ElasticRegion:
                 time.perf_counter() - t0, schedule.describe(step_s, links),
             )  # fmt: skip
         return schedule
+
+    def _agreed_links(self, view: View, cross: Any, mine: Any) -> tuple[list[Any], int]:
+        """The links between the regions of `view` and each region's value (`mine` this one's),
+        the same on every rank of every present region (cloudtrain.replan): the region's first
+        rank gathers the books and values with the others' first ranks, probing the pairs no
+        region has measured, and shares the result in the region; this region's book becomes
+        the merged one. (Every region's values, the pairs probed.) A failure is a CommError on
+        every rank of the region."""
+        assert self.book is not None
+        t0 = time.perf_counter()
+        got: list[Any] = [None]
+        if self.local == 0:
+            try:
+                if cross is None:  # alone
+                    got[0] = (self.book, [mine], 0)
+                else:
+                    got[0] = agree_links(self.book, view.regions, cross, mine, view.quorum_id)
+            except Exception as e:
+                got[0] = self._making_failed("agreeing on the links", view.regions, view, t0, e)
+        dist.broadcast_object_list(got, src=0, group=self.group)  # inside the region
+        if isinstance(got[0], CommError):
+            raise got[0]
+        self.book, values, probed = got[0]
+        self.stats.links_probed += probed
+        return values, probed
 
     def _take_plan(self, view: View, schedule: Schedule) -> None:
         """A schedule planned at the sync that just committed: the loop's from now on."""
@@ -539,8 +570,11 @@ class ElasticRegion:
         t0 = time.perf_counter()
         try:
             release_group(self._group)
-            self._group = self.spares.take(view)  # made ahead, where it was
-            if self._group is not None:
+            release_group(self.control)
+            self._group = self.control = None
+            spare = self.spares.take(view)  # made ahead, where it was
+            if spare is not None:
+                self._group, self.control = spare
                 log.info("cloudtrain elastic: regions %s on groups made ahead", list(view.regions))
             else:
                 prefixed = dist.PrefixStore(f"{view.key}/cross{self.local}", self._store(address))
@@ -624,8 +658,9 @@ class ElasticSteps(ElasticRegion):
     others completed is one step behind at the next quorum and heals from a peer (its
     parameters, buffers, optimizer state, step and bucket layouts; its residuals start at
     zero). Every quorum whose groups changed points the hook at the present regions
-    (`CommState.use_regions`); one whose membership changed checks their parameters' digest;
-    every quorum makes their buffers equal."""
+    (`CommState.use_regions`), with "auto" under a controller made for them (`_controller`);
+    one whose membership changed checks their parameters' digests; every quorum makes their
+    buffers equal."""
 
     def __init__(self, config: Any, topo: Topology, replica: Any, identity: dict[str, str]) -> None:
         super().__init__(config, topo, replica, identity)
@@ -643,6 +678,8 @@ class ElasticSteps(ElasticRegion):
         rank issued alone leaves a gloo group unusable)."""
         self._quiet_until = 0
         """No regular quorum before this many steps committed: a region left (View.quiet)."""
+        self.calibration: list[float] | None = None
+        """With "auto": the CPU seconds per element of each rung the regions agreed on."""
         self._times: collections.deque[float] = collections.deque(maxlen=QUIET_WINDOW)
         self._last = time.perf_counter()
 
@@ -668,13 +705,61 @@ class ElasticSteps(ElasticRegion):
             topo = view_topology(view, self.local, self.k, region, cross)
             if cross is None:  # alone: the region's own all-reduce, DDP's hook
                 topo.groups["dense"] = region
-            self.comm.use_regions(topo, self.timeout)
+            controller = None
+            if self.auto and cross is not None:
+                try:
+                    controller = self._controller(view, topo, cross)
+                except CommError as e:
+                    why = str(e)
+                if not self._agree(not why):
+                    return self._failed(view, why or "another rank of the region failed"), loaded
+            self.comm.use_regions(topo, self.timeout, controller)
         self._view = view
         if view.quiet:  # the same count in every region: joiners took the source's commits
             self._quiet_until = self.commits + view.quiet
         if self.buffers is not None:
             self._reconcile_buffers(view, cross, self.buffers)
         return self._committed(view, cross, changed, None), loaded
+
+    def _controller(self, view: View, topo: Topology, cross: Any) -> Any:
+        """With "auto": a controller for the regions of `view` (cloudtrain.controller), made
+        alike in every region. The links are agreed as the outer loop's plans agree them
+        (`_agreed_links`: only pairs no region measured are probed), and so is the CPU time of
+        each rung (the first region's, timed once); its decisions run on the quorum's group of
+        every present rank, its pipeline is never deeper than 0, and it starts afresh - seeded
+        from the links, its quality guard at its first ceiling - at every change of the
+        regions' groups. A failure is a CommError."""
+        from .controller import Controller, calibrate
+
+        comm = self.comm
+        mine = self.calibration
+        if mine is None and self.local == 0:  # timed once, on the region's own CPU
+            codecs, options = comm.path.codecs, self.config.controller
+            senders = len(view.members)
+            mine = calibrate(codecs, options, comm.shard_numels(), senders, comm.layouts.device)
+        values, _ = self._agreed_links(view, cross, mine)
+        self.calibration = values[0]  # the first region's: the same everywhere
+        topo.links = self.book.matrix(view.regions, self.k)
+        topo.groups["control"] = self._control(view)
+        return Controller(
+            dataclasses.replace(self.config, staleness=0), topo, comm.path.codecs,
+            comm.shard_numels(), comm.layouts.device, calibration=self.calibration, own=topo,
+        )  # fmt: skip
+
+    def _control(self, view: View) -> Any:
+        """The quorum's group of every present rank (made ahead where its cross groups were)."""
+        if self.control is not None:
+            return self.control
+        t0 = time.perf_counter()
+        n = len(view.members) * self.k
+        try:
+            prefixed = dist.PrefixStore(f"{view.key}/control", self._store(view.store))
+            self.control = cross_group(prefixed, view.me * self.k + self.local, n, self.timeout,
+                                       range(n))  # fmt: skip
+        except Exception as e:
+            raise self._making_failed("making the decisions' group", view.regions, view, t0,
+                                      e) from e  # fmt: skip
+        return self.control
 
     def _region_group(self, view: View) -> Any:
         """The region's own group, its ranks numbered as in `view`, where it is region `me`

@@ -283,18 +283,25 @@ class CommState:
             self.controller = Controller(
                 config, topo, codecs, self.shard_numels(), self.layouts.device, self.shares
             )
-        guarded = self.controller is not None and self.controller.guard is not None
         ef = ErrorFeedback(config.residual_torch_dtype) if config.error_feedback else None
-        self.path = CrossRegion(
-            config, topo, codecs, ef, CommStats(),
-            Observer() if self.controller is not None else None,
-            QualityProbe(config.controller.quality_sample) if guarded else None,
-        )  # fmt: skip
+        self.path = self._data_path(topo, codecs, ef, CommStats())
         self.pipeline = Pipeline()
         self.plan = first_plan(config, topo, codecs, self.controller)
         self._relay = FailureRelay()
         self._open: list[tuple] = []  # this step's exchanges in flight (synchronous plans)
         self._thread = CommThread(self._reduce, self._relay, self.layouts.device)
+
+    def _data_path(
+        self, topo: Topology, codecs: Codecs, ef: ErrorFeedback | None, stats: CommStats
+    ) -> CrossRegion:
+        """The data path over `topo`, observed for the controller where there is one."""
+        controller = self.controller
+        guarded = controller is not None and controller.guard is not None
+        return CrossRegion(
+            self.config, topo, codecs, ef, stats,
+            Observer() if controller is not None else None,
+            QualityProbe(self.config.controller.quality_sample) if guarded else None,
+        )  # fmt: skip
 
     # the data path's parts, as the hook's
     @property
@@ -536,14 +543,17 @@ class CommState:
         """The CommError of the step just reduced (tolerant), or None."""
         return self._relay.step_error
 
-    def use_regions(self, topo: Topology, timeout: Any) -> None:
+    def use_regions(self, topo: Topology, timeout: Any, controller: Any = None) -> None:
         """Buckets cross the regions of `topo` from the next step (a quorum's present regions,
-        on its groups): the data path keeps its codecs, residuals and counters."""
+        on its groups): the data path keeps its codecs, residuals and counters. With "auto",
+        `controller` plans for them (made for these regions: the last one is closed)."""
         old = self.path
-        self.topo = topo
-        self.path = CrossRegion(self.config, topo, old.codecs, old.ef, old.stats)
+        if self.controller is not None:
+            self.controller.close()
+        self.topo, self.controller = topo, controller
+        self.path = self._data_path(topo, old.codecs, old.ef, old.stats)
         self.path.timeout = timeout
-        self.plan = first_plan(self.config, topo, old.codecs, None)
+        self.plan = first_plan(self.config, topo, old.codecs, controller)
 
     def drop_step(self) -> None:
         """The step whose exchange failed is undone on this rank (between steps; the thread is
@@ -612,7 +622,12 @@ class CommState:
             # another cluster shape: shards have new owners, so residuals go back into gradients
             self.layouts.release_all(self.ef)
         self.pipeline.load_state_dict(state.get("pipeline", []), self.layouts.device)
-        if self.controller is not None and state.get("controller") is not None:
+        # (an elastic run's controller is made for the regions of each quorum: not resumed)
+        if (
+            self.controller is not None
+            and state.get("controller") is not None
+            and not self._relay.tolerant
+        ):
             self.controller.load_state_dict(state["controller"])
             self.plan = self.controller.plan()
         if self.shares is not None and state.get("shares") is not None:

@@ -266,9 +266,9 @@ class ElasticConfig:
     """Regions that come and go (cloudtrain.elastic, docs/elastic.md): each region is launched on
     its own and joins the run through a torchft Lighthouse; a lost region's survivors go on, a
     restarted or new region gets the live state from a peer and is counted from the next sync.
-    The outer loop (CompressionConfig(outer=...)) with no overlap - where its sync_every or codec
-    is "auto", planned again for the regions present after every change (cloudtrain.replan); or
-    per step with a fixed codec and staleness 0."""
+    The outer loop (CompressionConfig(outer=...)) with no overlap, or per step with staleness 0;
+    "auto" (the outer loop's sync_every and codec, the per-step controller) is planned again for
+    the regions present after every change (cloudtrain.replan, cloudtrain.elastic)."""
 
     lighthouse: str | None = None
     """The torchft Lighthouse's address ("http://host:port"); None: TORCHFT_LIGHTHOUSE. (Not part

@@ -41,7 +41,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .costs import LinkEstimate, bandwidth_in_range
-from .probe import probe
+from .probe import LinkMatrix, probe
 
 PROBE_REPEATS = 2
 """Timed messages of the size that shows a pair's bandwidth (the re-probe's count)."""
@@ -115,6 +115,22 @@ class LinkBook:
         link = self.pairs.get((a, b))
         return None if link is None else link.bandwidth
 
+    def matrix(self, regions: Sequence[str], per_region: int) -> LinkMatrix:
+        """The links as a probe of `regions` (each of `per_region` ranks: rank r*k + i is rank i
+        of region r) would have them: between two regions the pair's measurement, inside a
+        region nothing in the way. Every pair must have been measured."""
+        region = [r for r in range(len(regions)) for _ in range(per_region)]
+
+        def pair(i: int, j: int) -> PairLink | None:
+            a, b = region[i], region[j]
+            return None if a == b else self.pairs[regions[a], regions[b]]
+
+        n = len(region)
+        links = [[pair(i, j) for j in range(n)] for i in range(n)]
+        alpha = tuple(tuple(0.0 if p is None else p.rtt for p in row) for row in links)
+        beta = tuple(tuple(math.inf if p is None else p.bandwidth for p in row) for row in links)
+        return LinkMatrix(alpha, beta)
+
     def links(self, regions: Sequence[str], shards: int) -> list[LinkEstimate]:
         """Each of `regions`' link for the outer loop's schedule (module docstring): its slowest
         measured link to another of them, shared by its `shards` shard owners, and its fastest
@@ -132,18 +148,18 @@ class LinkBook:
 
 
 def agree_links(
-    book: LinkBook, regions: Sequence[str], cross: Any, step_s: float, stamp: int
-) -> tuple[LinkBook, float, int]:
+    book: LinkBook, regions: Sequence[str], cross: Any, mine: Any, stamp: int
+) -> tuple[LinkBook, list[Any], int]:
     """On each present region's first rank (the group `cross` of the shard-0 owners, rank =
-    region index): every region's book and step gathered and merged, the pairs nobody measured
-    probed. Returns the merged book, the slowest region's step, and the pairs probed - the same
-    on every rank of `cross`. A peer lost raises (torch.distributed's error)."""
+    region index): every region's book and value (`mine`: its step time, for the outer loop)
+    gathered, the books merged, the pairs nobody measured probed. Returns the merged book, the
+    values by region and the pairs probed - the same on every rank of `cross`. A peer lost
+    raises (torch.distributed's error)."""
     gathered: list[Any] = [None] * len(regions)
-    dist.all_gather_object(gathered, (book.rows(), step_s), group=cross)
+    dist.all_gather_object(gathered, (book.rows(), mine), group=cross)
     merged = LinkBook.merged(LinkBook.from_rows(rows) for rows, _ in gathered)
     todo = merged.missing(regions)
     if todo:
         matrix = probe(cross, pairs=todo, region=list(range(len(regions))), repeats=PROBE_REPEATS)
         merged.record(regions, todo, matrix, stamp)
-    slowest = max(max(s for _, s in gathered), MIN_STEP_S)
-    return merged, slowest, len(todo)
+    return merged, [value for _, value in gathered], len(todo)

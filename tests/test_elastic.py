@@ -124,8 +124,9 @@ def test_elastic_config_says_what_it_needs() -> None:
     from cloudtrain import CompressionConfig
     from cloudtrain.config import OuterConfig
 
-    with pytest.raises(ValueError, match="per step with codec 'auto'.*fixed codec"):
-        CompressionConfig(elastic=True)
+    assert CompressionConfig(elastic=True).codec == "auto"  # a controller per membership
+    with pytest.raises(ValueError, match="global_batch=64.*leave global_batch unset"):
+        CompressionConfig(global_batch=64, elastic=True)
     with pytest.raises(ValueError, match="staleness=1"):
         CompressionConfig(codec="topk", level=0.01, staleness=1, elastic=True)
     with pytest.raises(ValueError, match="verify_every=5"):
@@ -332,6 +333,49 @@ def test_auto_outer_loop_plans_again_for_the_regions_present(tmp_path) -> None:
     assert r0.result["digest"] == r1.result["digest"] == again.result["digest"]
     assert r0.result["steps"] == again.result["steps"] == 700
     first_sync_after_join_equal(cluster, "r0", again)
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_per_step_auto_plans_for_the_regions_present(tmp_path) -> None:
+    """Per step with codec "auto", 3 regions of one rank on the emulated WAN (r2 far and its
+    uplink slow, as above): a controller is made for the regions present at every change - its
+    links agreed (the first quorum probes every pair, nobody probes again), its plan by region
+    name - r2 SIGKILLed, the survivors' controller plans for r0 and r1 alone; r2 started again
+    with the same command is planned for again without a probe, and all end equal."""
+    from cloudtrain.tools.netem import Emulator, teardown
+
+    name = f"ea{os.getpid() % 10000}-{uuid.uuid4().hex[:3]}"
+    up = {"r0": 100, "r1": 200, "r2": 50, "lh": 100}
+    down = {"r0": 200, "r1": 200, "r2": 200, "lh": 100}
+    rtt = {"r0": 80, "r1": 80, "r2": 280, "lh": 0}
+    args = worker_args(260, 0.02, mode="step", hidden=256, codec="auto", **{"start-regions": 3})
+    try:
+        with (
+            Emulator({"r0": 1, "r1": 1, "r2": 1, "lh": 1}, up, rtt, name, down) as wan,
+            cluster_on(wan, ["r0", "r1", "r2"], args, tmp_path) as cluster,
+        ):
+            r0, r1, r2 = (cluster.start(r) for r in ("r0", "r1", "r2"))
+            wait_until(lambda: r2.step >= 60, 200, "r2 at step 60")
+            r2.kill()
+            again = cluster.start("r2")
+            cluster.wait(240)
+    finally:
+        teardown(name)
+    plans: list[tuple[str, ...]] = []
+    for ln in r0.lines:
+        if "plan" in ln and (not plans or plans[-1] != tuple(ln["plan"])):
+            plans.append(tuple(ln["plan"]))
+    print("per-step auto, regions planned for at r0's quorums:", plans, r0.result["elastic"])
+    three, two = ("r0", "r1", "r2"), ("r0", "r1")
+    assert plans[0] == three and two in plans and plans[-1] == three, plans
+    assert plans.index(two) < len(plans) - 1
+    a, c = r0.result["elastic"], again.result["elastic"]
+    assert a["links_probed"] == 6 and c["links_probed"] == 0, (a, c)
+    assert a["lost"] == ["r2"] and "r2" in a["joined"] and a["failed_syncs"] >= 1
+    assert r0.result["digest"] == r1.result["digest"] == again.result["digest"]
+    assert r0.result["steps"] == again.result["steps"] == 260
+    assert r0.result["accuracy"] > 0.9, r0.result
 
 
 @pytest.mark.timeout(240)

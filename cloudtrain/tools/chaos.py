@@ -67,12 +67,12 @@ def _config(args: argparse.Namespace) -> Any:
         "spot_poll_s": args.spot_poll,
     }
     board = {"tensorboard_dir": args.tensorboard} if args.tensorboard else {}
+    level = None if args.codec == "auto" else args.level
     if args.mode == "step":  # every step's gradients cross, a quorum every --sync-every steps
         return cloudtrain.CompressionConfig(
-            codec=args.codec, level=args.level, elastic={**elastic, "quorum_every": args.sync_every},
+            codec=args.codec, level=level, elastic={**elastic, "quorum_every": args.sync_every},
             timeout_s=120, controller=board,
         )  # fmt: skip
-    level = None if args.codec == "auto" else args.level
     outer = OuterConfig(sync_every=args.sync_every, codec=args.codec, level=level)
     return cloudtrain.CompressionConfig(
         codec="none", error_feedback=False, outer=outer, elastic=elastic, timeout_s=120,
@@ -138,6 +138,8 @@ def _train(model: Any, opt: Any, args: argparse.Namespace, data: tuple, rank: in
                 line["digest"] = _digest(model.module)
                 if outer is not None:
                     line["h"] = outer.schedule.sync_every
+                elif model.comm.controller is not None:  # per step with "auto": its plan
+                    line["plan"] = model.comm.controller.snapshot()["plan"]
             print(json.dumps(line), flush=True)
         if left:
             return True
@@ -724,14 +726,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if "auto" in (args.sync_every, args.codec) and (args.engine, args.mode) != (
-        "cloudtrain",
-        "outer",
-    ):
+    if args.sync_every == "auto" and (args.engine, args.mode) != ("cloudtrain", "outer"):
         raise SystemExit(
-            "chaos: --sync-every auto and --codec auto are the outer loop's (--mode outer, "
-            "--engine cloudtrain); give a number and a codec"
+            "chaos: --sync-every auto is the outer loop's (--mode outer); give a number"
         )
+    if args.codec == "auto" and args.engine != "cloudtrain":
+        raise SystemExit("chaos: --codec auto is cloudtrain's; give a codec")
     if args.worker:
         return worker_torchft(args) if args.engine == "torchft" else worker(args)
     report = run_scenario(args)
