@@ -202,26 +202,40 @@ def first_sync_after_join_equal(cluster: chaos.Cluster, survivor: str, joiner) -
     return line["step"]
 
 
-def kill_r1_and_restart(tmp_path, args: list[str], wait_s: float) -> tuple:
-    """2 regions x 2 ranks at 200 Mbit/s, 80 ms, the worker run with `args`: every process of
-    r1 SIGKILLed at its step 30 and started again at once with the same command; the run waited
-    for (`wait_s`) and everything torn down. (cluster, r0, the killed r1, the restarted r1)."""
+def kill_and_restart(
+    tmp_path, args: list[str], wan: dict, victim: str, kill_at: int, wait_s: float
+) -> tuple:
+    """Regions on the emulated WAN (`Emulator(**wan)`, a region "lh" for the Lighthouse), the
+    worker run with `args`: every process of `victim` SIGKILLed at its step `kill_at`, and
+    started again with the same command once r0 has gone on without it; the run waited for
+    (`wait_s`) and everything torn down. (cluster, its first runs by region, the restarted)."""
     from cloudtrain.tools.netem import Emulator, teardown
 
     name = f"el{os.getpid() % 10000}-{uuid.uuid4().hex[:3]}"
+    regions = [r for r in wan["regions"] if r != "lh"]
     try:
         with (
-            Emulator({"r0": 2, "r1": 2, "lh": 1}, 200, rtt_ms=80, name=name) as wan,
-            cluster_on(wan, ["r0", "r1"], args, tmp_path) as cluster,
+            Emulator(**wan, name=name) as net,
+            cluster_on(net, regions, args, tmp_path) as cluster,
         ):
-            r0, r1 = cluster.start("r0"), cluster.start("r1")
-            wait_until(lambda: r1.step >= 30, 120, "r1 at step 30")
-            r1.kill()
-            again = cluster.start("r1")
+            runs = {r: cluster.start(r) for r in regions}
+            wait_until(lambda: runs[victim].step >= kill_at, 200, f"{victim} at step {kill_at}")
+            runs[victim].kill()
+            gone = lambda: any(victim not in ln["regions"] for ln in runs["r0"].lines)  # noqa: E731
+            wait_until(gone, 60, f"r0 going on without {victim}")
+            again = cluster.start(victim)
             cluster.wait(wait_s)
     finally:
         teardown(name)
-    return cluster, r0, r1, again
+    return cluster, runs, again
+
+
+def kill_r1_and_restart(tmp_path, args: list[str], wait_s: float) -> tuple:
+    """2 regions x 2 ranks at 200 Mbit/s, 80 ms: r1 SIGKILLed at its step 30 and started again
+    (kill_and_restart). (cluster, r0, the killed r1, the restarted r1)."""
+    wan = {"regions": {"r0": 2, "r1": 2, "lh": 1}, "mbit": 200, "rtt_ms": 80}
+    cluster, runs, again = kill_and_restart(tmp_path, args, wan, "r1", 30, wait_s)
+    return cluster, runs["r0"], runs["r1"], again
 
 
 @needs_root
@@ -281,12 +295,26 @@ def plans_seen(run) -> list[tuple[tuple[str, ...], int]]:
     return out
 
 
+def kill_r2_of_three_and_restart(tmp_path, args: list[str], kill_at: int, wait_s: float) -> tuple:
+    """3 regions of one rank on the emulated WAN whose links differ - r2 far (180 ms to the
+    others, 80 ms between r0 and r1) and its uplink slow (50 Mbit/s), r0's 100, r1's 200 - r2
+    SIGKILLed at its step `kill_at` and started again (kill_and_restart). (cluster, r0, r1, the
+    restarted r2)."""
+    up = {"r0": 100, "r1": 200, "r2": 50, "lh": 100}
+    down = {"r0": 200, "r1": 200, "r2": 200, "lh": 100}
+    rtt = {"r0": 80, "r1": 80, "r2": 280, "lh": 0}  # a pair's round trip: the mean of its two
+    wan = {"regions": {"r0": 1, "r1": 1, "r2": 1, "lh": 1}, "mbit": up, "rtt_ms": rtt,
+           "down_mbit": down}  # fmt: skip
+    cluster, runs, again = kill_and_restart(tmp_path, args, wan, "r2", kill_at, wait_s)
+    return cluster, runs["r0"], runs["r1"], again
+
+
 @needs_root
 @pytest.mark.timeout(300)
 def test_auto_outer_loop_plans_again_for_the_regions_present(tmp_path) -> None:
-    """The outer loop with sync_every and codec "auto", 3 regions of one rank on the emulated WAN
-    and a 1.1 M-parameter MLP: r2 is far (180 ms to the others; 80 ms between r0 and r1) and its
-    uplink slow (50 Mbit/s), r0's 100 Mbit/s, r1's 200. The first plan probes every pair and
+    """The outer loop with sync_every and codec "auto", a 1.1 M-parameter MLP, 3 regions of one
+    rank on the emulated WAN whose links differ (kill_r2_of_three_and_restart: r2 far and slow,
+    r0's uplink 100 Mbit/s, r1's 200). The first plan probes every pair and
     syncs rarely enough for r2's round trip, the slower uplinks sending more compressed; r2
     SIGKILLed, the survivors plan again for their own links - more often, without probing - and
     when r2 is back (the same command) again for all three, from the links already measured. r2
@@ -294,28 +322,11 @@ def test_auto_outer_loop_plans_again_for_the_regions_present(tmp_path) -> None:
     measured would give r0), and all end equal."""
     from cloudtrain.compress.ladders import OUTER_LADDER
     from cloudtrain.plan import describe
-    from cloudtrain.tools.netem import Emulator, teardown
 
-    name = f"ep{os.getpid() % 10000}-{uuid.uuid4().hex[:3]}"
-    up = {"r0": 100, "r1": 200, "r2": 50, "lh": 100}
-    down = {"r0": 200, "r1": 200, "r2": 200, "lh": 100}
-    rtt = {"r0": 80, "r1": 80, "r2": 280, "lh": 0}  # a pair's round trip: the mean of its two
     args = worker_args(
         700, 0.08, hidden=1024, **{"sync-every": "auto", "codec": "auto", "start-regions": 3}
     )
-    try:
-        with (
-            Emulator({"r0": 1, "r1": 1, "r2": 1, "lh": 1}, up, rtt, name, down) as wan,
-            cluster_on(wan, ["r0", "r1", "r2"], args, tmp_path) as cluster,
-        ):
-            r0, r1, r2 = (cluster.start(r) for r in ("r0", "r1", "r2"))
-            wait_until(lambda: r2.step >= 120, 150, "r2 at step 120")
-            r2.kill()
-            wait_until(lambda: any(ln["regions"] == ["r0", "r1"] for ln in r0.lines), 60, "r2 lost")
-            again = cluster.start("r2")
-            cluster.wait(200)
-    finally:
-        teardown(name)
+    cluster, r0, r1, again = kill_r2_of_three_and_restart(tmp_path, args, 120, 200)
     seen = plans_seen(r0)
     print("plans (regions, H) at r0's syncs:", seen, "\nr0's plan:", r0.result["elastic"]["plan"])
     three, two = ("r0", "r1", "r2"), ("r0", "r1")
@@ -338,30 +349,13 @@ def test_auto_outer_loop_plans_again_for_the_regions_present(tmp_path) -> None:
 @needs_root
 @pytest.mark.timeout(300)
 def test_per_step_auto_plans_for_the_regions_present(tmp_path) -> None:
-    """Per step with codec "auto", 3 regions of one rank on the emulated WAN (r2 far and its
-    uplink slow, as above): a controller is made for the regions present at every change - its
+    """Per step with codec "auto", 3 regions of one rank on the emulated WAN whose links differ
+    (kill_r2_of_three_and_restart): a controller is made for the regions present at every change - its
     links agreed (the first quorum probes every pair, nobody probes again), its plan by region
     name - r2 SIGKILLed, the survivors' controller plans for r0 and r1 alone; r2 started again
     with the same command is planned for again without a probe, and all end equal."""
-    from cloudtrain.tools.netem import Emulator, teardown
-
-    name = f"ea{os.getpid() % 10000}-{uuid.uuid4().hex[:3]}"
-    up = {"r0": 100, "r1": 200, "r2": 50, "lh": 100}
-    down = {"r0": 200, "r1": 200, "r2": 200, "lh": 100}
-    rtt = {"r0": 80, "r1": 80, "r2": 280, "lh": 0}
     args = worker_args(260, 0.02, mode="step", hidden=256, codec="auto", **{"start-regions": 3})
-    try:
-        with (
-            Emulator({"r0": 1, "r1": 1, "r2": 1, "lh": 1}, up, rtt, name, down) as wan,
-            cluster_on(wan, ["r0", "r1", "r2"], args, tmp_path) as cluster,
-        ):
-            r0, r1, r2 = (cluster.start(r) for r in ("r0", "r1", "r2"))
-            wait_until(lambda: r2.step >= 60, 200, "r2 at step 60")
-            r2.kill()
-            again = cluster.start("r2")
-            cluster.wait(240)
-    finally:
-        teardown(name)
+    _, r0, r1, again = kill_r2_of_three_and_restart(tmp_path, args, 60, 240)
     plans: list[tuple[str, ...]] = []
     for ln in r0.lines:
         if "plan" in ln and (not plans or plans[-1] != tuple(ln["plan"])):
