@@ -81,12 +81,13 @@ class Controller:
         *,
         calibration: Sequence[float] | None = None,
         own: Topology | None = None,
+        start: int = 0,
     ) -> None:
         """`shares`: with a global batch, the schedule of batch shares the decisions write. An
         elastic run's controller of the regions present (cloudtrain.elastic.ElasticSteps) is
         given the CPU seconds per element of each rung agreed by the regions (`calibration`;
-        else timed on rank 0 now) and `own`, a topology whose "control" group is the
-        decisions' alone (else made now: Topology.private)."""
+        else timed on rank 0 now), `own`, a topology whose "control" group is the decisions'
+        alone (else made now: Topology.private), and the step it starts at (`start`)."""
         self.options: ControllerOptions = config.controller
         self._timeout = (  # the decisions' groups' (an elastic run makes its own per quorum)
             (config.elastic.exchange_timeout_s, "elastic.exchange_timeout_s")
@@ -120,7 +121,8 @@ class Controller:
         self.own = own or topo.private(("control",), config.timeout)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cloudtrain-plan")
         self._pending: concurrent.futures.Future | None = None
-        self.next_due, self.interval = FIRST_DECISION, self.options.interval
+        self.start = start
+        self.next_due, self.interval = start + FIRST_DECISION, self.options.interval
         if topo.links is not None:
             seeded = self.planner.seed(self.estimates, self.guard, shard_numels)
             self.rungs, self.streak, self.staleness = seeded
@@ -205,7 +207,7 @@ class Controller:
             took = time.perf_counter() - t0
             now = Current(
                 self.rungs, self.streak, self.staleness, self.estimates, self.guard, shard_numels,
-                None if self.shares is None else self.shares.latest, self.interval,
+                None if self.shares is None else self.shares.latest, self.interval, self.start,
             )  # fmt: skip
             decision[0] = self.planner.decide(step, now, gathered, ran, took)
         with self._lost_peer("the decision's broadcast", step, t0):
@@ -293,6 +295,8 @@ class Controller:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+        if self._scalars is not None:
+            self._scalars.close()
 
     # -- state and metrics -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

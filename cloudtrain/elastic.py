@@ -62,7 +62,7 @@ from .membership import ElasticStats, Membership
 from .options import AUTO
 from .outer import DECIDE_AFTER, Schedule
 from .plan import Plan, describe
-from .quorum import ElasticRefused, RegionLeft, View, identity_of, spare_key
+from .quorum import ElasticRefused, RegionLeft, View, identity_of, is_spare_key, spare_key
 from .replan import MIN_STEP_S, LinkBook, agree_links
 from .stats import Scalars
 from .topology import AUTO_REGION, Topology
@@ -119,6 +119,12 @@ def gloo_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     if torch.cuda.is_available():
         pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
     return pg
+
+
+def store_client(address: str, timeout: timedelta) -> Any:
+    """A client of the TCP store at `address` ("host:port": a quorum leader's)."""
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timeout)
 
 
 def register_ranks(pg: Any, ranks: Sequence[int]) -> Any:
@@ -181,10 +187,7 @@ class SpareGroups:
         self, made: concurrent.futures.Future, key: str, address: str, me: int, size: int
     ) -> None:
         try:
-            host, port = address.rsplit(":", 1)  # a client of its own: the thread's
-            store = dist.TCPStore(
-                host, int(port), is_master=False, wait_for_workers=False, timeout=self.timeout
-            )
+            store = store_client(address, self.timeout)  # a client of its own: the thread's
             prefixed = dist.PrefixStore(f"{key}/cross{self.local}", store)
             cross = gloo_group(prefixed, me, size, self.timeout)
             control = None
@@ -269,6 +272,9 @@ class ElasticRegion:
         """Its group of every present rank, where one was made (ElasticSteps with "auto")."""
         self._group_key = ""
         """Its key while its last sync committed; "" once a sync on it failed."""
+        self._broken = False
+        """A collective on this quorum's groups failed (a lost region, noticed later): the sync
+        commits, its groups are not offered again."""
         self.book: LinkBook | None = None
         """The links measured between regions, where the outer loop's H or codec is "auto" (its
         schedule is then planned for the regions present: cloudtrain.replan), or per step with
@@ -306,8 +312,10 @@ class ElasticRegion:
         only where every rank of the region still holds them."""
         if not self._agree(bool(self._group_key)):
             self._group_key = ""
+        if not self._agree(bool(self.spares.key)):  # every rank of the region holds its own
+            self.spares.release()
         if self.book is not None:  # for the quorum's choice of a joiner's source
-            self.members.links = [(a, b, p.bandwidth) for (a, b), p in self.book.pairs.items()]
+            self.members.links = self.book.rows()
         self.members.spares = self.spares.key
         try:
             view = self.members.quorum(
@@ -483,7 +491,7 @@ class ElasticRegion:
                 if cross is None:  # alone
                     got[0] = (self.book, [mine], 0)
                 else:
-                    got[0] = agree_links(self.book, view.regions, cross, mine, view.quorum_id)
+                    got[0] = agree_links(self.book, view.regions, cross, mine, view.created)
             except Exception as e:
                 got[0] = self._making_failed("agreeing on the links", view.regions, view, t0, e)
         dist.broadcast_object_list(got, src=0, group=self.group)  # inside the region
@@ -522,12 +530,13 @@ class ElasticRegion:
             buffers.across_regions(cross, self.timeout, f" at step {view.step}")
         except CommError as e:
             log.warning("cloudtrain elastic: buffers not reconciled at step %s: %s", view.step, e)
-            self._group_key = ""
+            self._broken = True
         buffers.in_region()
 
     def _committed(self, view: View, cross: Any, changed: bool, fragment: int | None) -> bool:
         """A sync done: counted, and checked across regions where membership changed."""
-        self._group_key = view.key if cross is not None else ""
+        self._group_key = view.key if cross is not None and not self._broken else ""
+        self._broken = False
         if fragment is not None:
             self.commits += 1
         self.stats.syncs += 1
@@ -576,6 +585,8 @@ class ElasticRegion:
             if spare is not None:
                 self._group, self.control = spare
                 log.info("cloudtrain elastic: regions %s on groups made ahead", list(view.regions))
+            elif is_spare_key(view.key):  # (its prefix is the spare's: never made twice)
+                raise CommError(f"this rank holds no group made ahead for {view.key}")
             else:
                 prefixed = dist.PrefixStore(f"{view.key}/cross{self.local}", self._store(address))
                 ranks = [r * self.k + self.local for r in range(len(view.members))]
@@ -599,11 +610,7 @@ class ElasticRegion:
         """A client of the TCP store at `address` (kept: quorums reuse their leaders' stores)."""
         store = self._stores.get(address)
         if store is None:
-            host, port = address.rsplit(":", 1)
-            store = dist.TCPStore(
-                host, int(port), is_master=False, wait_for_workers=False, timeout=self.timeout
-            )
-            self._stores[address] = store
+            store = self._stores[address] = store_client(address, self.timeout)
         return store
 
     def _verify(self, view: View, cross: Any) -> None:
@@ -697,16 +704,18 @@ class ElasticSteps(ElasticRegion):
             self._new_region_groups()
             return self._failed(view, why or "another rank of the region failed"), loaded
         held = self.comm.path.topo.groups
-        if (
-            changed
-            or held.get(f"cross{self.local}") is not cross
-            or (held.get(f"region{view.me}") is not region)
-        ):
+        new = (
+            held.get(f"cross{self.local}") is not cross
+            or held.get(f"region{view.me}") is not region
+        )
+        if changed or new:
             topo = view_topology(view, self.local, self.k, region, cross)
             if cross is None:  # alone: the region's own all-reduce, DDP's hook
                 topo.groups["dense"] = region
-            controller = None
-            if self.auto and cross is not None:
+            # with "auto", a controller for new groups (alike in every region: `changed` is
+            # this region's view of the last quorum, which a pause may have moved on)
+            controller = None if new else self.comm.controller
+            if self.auto and new and cross is not None:
                 try:
                     controller = self._controller(view, topo, cross)
                 except CommError as e:
@@ -744,6 +753,7 @@ class ElasticSteps(ElasticRegion):
         return Controller(
             dataclasses.replace(self.config, staleness=0), topo, comm.path.codecs,
             comm.shard_numels(), comm.layouts.device, calibration=self.calibration, own=topo,
+            start=comm.step,
         )  # fmt: skip
 
     def _control(self, view: View) -> Any:

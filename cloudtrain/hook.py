@@ -548,7 +548,7 @@ class CommState:
         on its groups): the data path keeps its codecs, residuals and counters. With "auto",
         `controller` plans for them (made for these regions: the last one is closed)."""
         old = self.path
-        if self.controller is not None:
+        if self.controller is not None and self.controller is not controller:
             self.controller.close()
         self.topo, self.controller = topo, controller
         self.path = self._data_path(topo, old.codecs, old.ef, old.stats)
@@ -608,7 +608,10 @@ class CommState:
             "step": self.step,
             **self.layouts.state_dict(),
             **self.path.state_dict(),
-            "controller": None if self.controller is None else self.controller.state_dict(),
+            # (an elastic run's is made for each quorum's regions: not saved, not resumed)
+            "controller": None
+            if self.controller is None or self._relay.tolerant
+            else self.controller.state_dict(),
             "pipeline": self.pipeline.state_dict(),
             "shares": None if self.shares is None else self.shares.state_dict(),
         }
@@ -622,12 +625,7 @@ class CommState:
             # another cluster shape: shards have new owners, so residuals go back into gradients
             self.layouts.release_all(self.ef)
         self.pipeline.load_state_dict(state.get("pipeline", []), self.layouts.device)
-        # (an elastic run's controller is made for the regions of each quorum: not resumed)
-        if (
-            self.controller is not None
-            and state.get("controller") is not None
-            and not self._relay.tolerant
-        ):
+        if self.controller is not None and state.get("controller") is not None:
             self.controller.load_state_dict(state["controller"])
             self.plan = self.controller.plan()
         if self.shares is not None and state.get("shares") is not None:

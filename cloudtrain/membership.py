@@ -178,8 +178,9 @@ class Membership:
                     data=data,
                 )
                 key = f"cloudtrain/{q.quorum_id}/{q.created.seconds}.{q.created.nanos}"
+                created = q.created.seconds + q.created.nanos / 1e9
                 view = decide([Member.of(p) for p in q.participants], q.quorum_id, key,
-                              self.replica_id)  # fmt: skip
+                              self.replica_id, created)  # fmt: skip
             except Exception as e:
                 log.warning(
                     "cloudtrain elastic: region %s paused at step %s: no quorum within %g s (%s)",

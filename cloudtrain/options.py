@@ -267,8 +267,9 @@ class ElasticConfig:
     its own and joins the run through a torchft Lighthouse; a lost region's survivors go on, a
     restarted or new region gets the live state from a peer and is counted from the next sync.
     The outer loop (CompressionConfig(outer=...)) with no overlap, or per step with staleness 0;
-    "auto" (the outer loop's sync_every and codec, the per-step controller) is planned again for
-    the regions present after every change (cloudtrain.replan, cloudtrain.elastic)."""
+    "auto" (the outer loop's sync_every and codec, at its next fragment-0 sync; the per-step
+    controller, at the quorum) is planned again for the regions present after they change
+    (cloudtrain.replan, cloudtrain.elastic)."""
 
     lighthouse: str | None = None
     """The torchft Lighthouse's address ("http://host:port"); None: TORCHFT_LIGHTHOUSE. (Not part

@@ -78,6 +78,9 @@ STALL_SHARE = 0.1
 DECIDE_AFTER = 5
 """With "auto": inner steps timed before H and the codecs are chosen (none syncs before)."""
 
+ELASTIC_STEP_TIMES = 1000
+"""In an elastic run: the inner steps whose median times its plans (cloudtrain.replan)."""
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -396,6 +399,8 @@ class OuterLoop:
         """The optimizer's step post-hook: time the step, then run the schedule (catch_up). A
         sync's own time (waiting for the other regions) is not the step's."""
         self._times.append(time.perf_counter() - self._last)
+        if self.elastic is not None:  # no round boundaries clear them (its plans' step: recent)
+            del self._times[:-ELASTIC_STEP_TIMES]
         self.catch_up()
         self._last = time.perf_counter()
 

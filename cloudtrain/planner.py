@@ -49,6 +49,9 @@ class Current:
     """The batch shares planned last (cloudtrain.shares), with a global batch."""
     interval: int = 1
     """The steps from one decision to the next, in force now (Decision.interval)."""
+    start: int = 0
+    """The step the controller started at (an elastic run's is made at a quorum): its first
+    steps' times are its peers' warm-up, not the plan's."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,7 @@ class Planner:
         plan `ran` (rungs, staleness; `now` may have taken effect since). `took`: seconds the
         gathering took; the next decisions come that much further apart in steps (twice it, for
         the broadcast back), so that each has arrived when due."""
-        opts, warm = self.options, step > FIRST_DECISION  # the first steps: peers warming up
+        opts, warm = self.options, step - now.start > FIRST_DECISION  # peers warming up
         interval = Interval.of(gathered, self.topo.members)
         shard_numels = now.shard_numels
         est = now.estimates.copy()
@@ -194,7 +197,7 @@ class Planner:
         # a shallower pipeline one step at a time: each change of depth applies two steps'
         # gradients at once (or none), so it should not flap
         staleness = max(staleness, min(now.staleness - 1, max(depths)))
-        if step > FIRST_DECISION + opts.interval:  # the first steps are not their plan's time
+        if step - now.start > FIRST_DECISION + opts.interval:  # not the plan's time yet
             est.observe_step((tuple(ran[0]), ran[1]), interval.step_s, opts.ewma)
         else:
             est.observe_step((tuple(ran[0]), ran[1]), None, opts.ewma)

@@ -52,8 +52,8 @@ class Member:
     """host:port of its TCP store, for the groups of a quorum it leads."""
     group: str = ""
     """The key of the cross groups it holds and whose last sync committed ("": none)."""
-    links: tuple[tuple[str, str, float], ...] = ()
-    """The links between regions it has measured: (from, to, bytes/s of one flow)."""
+    links: tuple[tuple[Any, ...], ...] = ()
+    """The links between regions it knows: cloudtrain.replan.LinkBook.rows()."""
     leaving: int = 0
     """> 0: it leaves the run at this quorum (per step, after a spot notice), and the others ask
     no regular quorum for this many steps, while its heartbeats time out in the Lighthouse."""
@@ -76,7 +76,7 @@ class Member:
             digest=int(data.get("digest", 0)),
             store=member.store_address,
             group=str(data.get("group", "")),
-            links=tuple((str(a), str(b), float(bw)) for a, b, bw in data.get("links") or ()),
+            links=tuple(tuple(row) for row in data.get("links") or ()),
             leaving=int(data.get("leaving", 0)),
             spares=str(data.get("spares", "")),
         )
@@ -115,6 +115,8 @@ class View:
     """Regions that leave the run at this quorum (Member.leaving): not members."""
     quiet: int = 0
     """Steps from this quorum in which the members ask no regular quorum (Member.leaving)."""
+    created: float = 0.0
+    """When the Lighthouse made the quorum (seconds since the epoch, its clock)."""
 
     @property
     def regions(self) -> tuple[str, ...]:
@@ -131,7 +133,9 @@ def _differs(mine: tuple, run: tuple) -> str:
     return ", ".join(f"{k} {a.get(k)!r} (the run's: {b.get(k)!r})" for k in names)
 
 
-def decide(participants: Sequence[Member], quorum_id: int, key: str, me: str) -> View:
+def decide(
+    participants: Sequence[Member], quorum_id: int, key: str, me: str, created: float = 0.0
+) -> View:
     """The view of a quorum (module docstring); the same on every rank that has the quorum.
 
     The run is what the most advanced participant (most syncs committed, then the latest sync
@@ -163,10 +167,17 @@ def decide(participants: Sequence[Member], quorum_id: int, key: str, me: str) ->
         else:
             by_region[p.region] = p
     left = tuple(r for r in sorted(by_region) if by_region[r].leaving)
+    staying = [p for r, p in by_region.items() if r not in left]
+    if (
+        left
+        and staying
+        and max(p.rank_key for p in staying) < max(p.rank_key for p in by_region.values())
+    ):
+        left = ()  # nobody else holds the run's state: the leavers hand it over first
     quiet = max((by_region[r].leaving for r in left), default=0)
     members = tuple(by_region[r] for r in sorted(by_region) if r not in left)
     if not members:  # every valid participant leaves
-        return View(quorum_id, key, (), (), (), {}, tuple(refused), -1, 0, -1, left, quiet)
+        return View(quorum_id, key, (), (), (), {}, tuple(refused), -1, 0, -1, left, quiet, created)
     key = _group_key(members, key)
     syncing = [i for i, m in enumerate(members) if m.step >= 0]
     if syncing:
@@ -185,14 +196,19 @@ def decide(participants: Sequence[Member], quorum_id: int, key: str, me: str) ->
     index = next((i for i, m in enumerate(members) if m.replica_id == me), -1)
     return View(
         quorum_id, key, members, contributors, joiners, sources, tuple(refused), step,
-        fragment, index, left, quiet,
+        fragment, index, left, quiet, created,
     )  # fmt: skip
 
 
 def spare_key(parent: str, lost: str, regions: Sequence[str]) -> str:
     """The key of the cross groups made ahead under quorum key `parent` for its members less
     `lost` (`regions`, in order; cloudtrain.elastic.SpareGroups)."""
-    return f"{parent}/-{lost}/{'+'.join(regions)}"
+    return f"{parent}/spare:{lost}/{'+'.join(regions)}"
+
+
+def is_spare_key(key: str) -> bool:
+    """Whether `key` names groups made ahead (`spare_key`)."""
+    return "/spare:" in key
 
 
 def _made_for(key: str) -> list[str]:
@@ -222,21 +238,20 @@ def _group_key(members: Sequence[Member], fresh: str) -> str:
 def _sources(
     members: Sequence[Member], contributors: Sequence[int], joiners: Sequence[int]
 ) -> dict[int, int]:
-    """Each joiner's source: the contributor with the fastest link to it that a member has
-    measured (cloudtrain.replan; the fastest reading of any member counts), then the one with
-    the fewest joiners so far, then the first - so, with nothing measured, the joiners spread
-    over the contributors in turn."""
-    rate: dict[tuple[str, str], float] = {}
-    for m in members:
-        for a, b, bw in m.links:
-            rate[a, b] = max(bw, rate.get((a, b), 0.0))
+    """Each joiner's source: the contributor with the fastest link to it that the members have
+    measured (their books merged: cloudtrain.replan), then the one with the fewest joiners so
+    far, then the first - so, with nothing measured, the joiners spread over the contributors
+    in turn."""
+    from .replan import LinkBook
+
+    book = LinkBook.merged(LinkBook.from_rows(m.links) for m in members)
     load = dict.fromkeys(contributors, 0)
     out = {}
     for j in joiners:
         to = members[j].region
 
         def order(c: int, to: str = to) -> tuple[float, int, int]:
-            return (-rate.get((members[c].region, to), 0.0), load[c], c)
+            return (-(book.bandwidth(members[c].region, to) or 0.0), load[c], c)
 
         out[j] = min(contributors, key=order)
         load[out[j]] += 1

@@ -41,7 +41,8 @@ from typing import Any
 import torch.distributed as dist
 
 from .costs import LinkEstimate, bandwidth_in_range
-from .probe import LinkMatrix, probe
+from .estimates import region_links
+from .probe import LinkMatrix, probe, rounds
 
 PROBE_REPEATS = 2
 """Timed messages of the size that shows a pair's bandwidth (the re-probe's count)."""
@@ -57,13 +58,15 @@ class PairLink:
     """Seconds: the fastest one-byte round trip."""
     bandwidth: float
     """Bytes per second of one flow."""
-    stamp: int
-    """The quorum whose plan measured it: the newer of two measurements counts."""
+    stamp: float
+    """When the quorum whose plan measured it was made (the Lighthouse's clock): the newer of
+    two measurements counts."""
 
 
 class LinkBook:
     """The links between regions measured so far, by (from, to) region name (module docstring).
-    Part of the region's elastic state (checkpointed) and announced in its quorum data."""
+    Announced in the region's quorum data; part of an outer loop's elastic state (checkpointed;
+    a resumed per-step region measures what its book lacks again)."""
 
     def __init__(self, pairs: dict[tuple[str, str], PairLink] | None = None) -> None:
         self.pairs: dict[tuple[str, str], PairLink] = dict(pairs or {})
@@ -75,7 +78,10 @@ class LinkBook:
     @classmethod
     def from_rows(cls, rows: Iterable[Sequence[Any]]) -> LinkBook:
         return cls(
-            {(str(a), str(b)): PairLink(float(rtt), float(bw), int(s)) for a, b, rtt, bw, s in rows}
+            {
+                (str(a), str(b)): PairLink(float(rtt), float(bw), float(s))
+                for a, b, rtt, bw, s in rows
+            }
         )
 
     @classmethod
@@ -102,7 +108,7 @@ class LinkBook:
         ]
 
     def record(
-        self, regions: Sequence[str], pairs: Sequence[tuple[int, int]], matrix: Any, stamp: int
+        self, regions: Sequence[str], pairs: Sequence[tuple[int, int]], matrix: Any, stamp: float
     ) -> None:
         """The probe's measurements (`matrix`: a cloudtrain.probe.LinkMatrix by index in
         `regions`) of `pairs`."""
@@ -132,23 +138,17 @@ class LinkBook:
         return LinkMatrix(alpha, beta)
 
     def links(self, regions: Sequence[str], shards: int) -> list[LinkEstimate]:
-        """Each of `regions`' link for the outer loop's schedule (module docstring): its slowest
-        measured link to another of them, shared by its `shards` shard owners, and its fastest
-        round trip. Every pair must have been measured."""
-        out = []
-        for a in regions:
-            mine = [self.pairs[a, b] for b in regions if b != a]
-            if not mine:  # alone: nothing crosses
-                out.append(LinkEstimate(bandwidth_in_range(math.inf), 0.0))
-                continue
-            slowest = min(p.bandwidth for p in mine) / shards
-            rtt = min(min(p.rtt for p in mine), 60.0)
-            out.append(LinkEstimate(bandwidth_in_range(slowest), rtt))
-        return out
+        """Each of `regions`' link for the outer loop's schedule (module docstring): as the
+        start-up probe's (estimates.region_links) - its slowest measured link to another of
+        them, shared by its `shards` shard owners, and its fastest round trip. Every pair must
+        have been measured."""
+        if len(regions) == 1:  # alone: nothing crosses
+            return [LinkEstimate(bandwidth_in_range(math.inf), 0.0)]
+        return region_links(self.matrix(regions, 1), [[r] for r in range(len(regions))], shards)
 
 
 def agree_links(
-    book: LinkBook, regions: Sequence[str], cross: Any, mine: Any, stamp: int
+    book: LinkBook, regions: Sequence[str], cross: Any, mine: Any, stamp: float
 ) -> tuple[LinkBook, list[Any], int]:
     """On each present region's first rank (the group `cross` of the shard-0 owners, rank =
     region index): every region's book and value (`mine`: its step time, for the outer loop)
@@ -159,7 +159,9 @@ def agree_links(
     dist.all_gather_object(gathered, (book.rows(), mine), group=cross)
     merged = LinkBook.merged(LinkBook.from_rows(rows) for rows, _ in gathered)
     todo = merged.missing(regions)
-    if todo:
-        matrix = probe(cross, pairs=todo, region=list(range(len(regions))), repeats=PROBE_REPEATS)
-        merged.record(regions, todo, matrix, stamp)
+    # a probe per round of pairs, each ending in a gathering: no rank waits on the group (whose
+    # timeout is an exchange's) for more than one round of others' pairs
+    for pairs in rounds(todo, list(range(len(regions)))):
+        matrix = probe(cross, pairs=pairs, region=list(range(len(regions))), repeats=PROBE_REPEATS)
+        merged.record(regions, pairs, matrix, stamp)
     return merged, [value for _, value in gathered], len(todo)

@@ -80,7 +80,7 @@ def test_decide_runs_the_survivors_of_a_lost_region_on_the_groups_made_ahead() -
     less one runs on the spare made for it; less two, or a region not in K, on new groups."""
     parent = "q7/1.2/a+b+c+d"
     a, b, _, d, e = (dataclasses.replace(member(r), spares=parent) for r in "abcde")
-    assert decide([a, b, d], 8, "fresh", "a:x").key == "q7/1.2/a+b+c+d/-c/a+b+d"
+    assert decide([a, b, d], 8, "fresh", "a:x").key == "q7/1.2/a+b+c+d/spare:c/a+b+d"
     assert decide([a, b], 8, "fresh", "a:x").key == "fresh/a+b"  # two lost
     assert decide([a, b, d, e], 8, "fresh", "a:x").key == "fresh/a+b+d+e"
     assert decide([a, b, member("d")], 8, "fresh", "a:x").key == "fresh/a+b+d"  # d holds none
@@ -89,7 +89,8 @@ def test_decide_runs_the_survivors_of_a_lost_region_on_the_groups_made_ahead() -
 def test_decide_gives_a_joiner_the_contributor_with_the_fastest_measured_link() -> None:
     """The links the members announce (cloudtrain.replan) pick each joiner's source: the
     fastest to it, whoever measured it; unmeasured, the joiners spread over the contributors."""
-    links = (("a", "d", 1e6), ("b", "d", 5e6), ("c", "d", 2e6), ("a", "e", 3e6))
+    links = tuple((a, b, 0.08, bw, 1) for a, b, bw in (("a", "d", 1e6), ("b", "d", 5e6),
+                                                       ("c", "d", 2e6), ("a", "e", 3e6)))  # fmt: skip
     ps = [member("a"), member("b"), member("c"), member("d", 1, -1), member("e", 1, -1)]
     view = decide([dataclasses.replace(ps[0], links=links), *ps[1:]], 1, "k", "d:x")
     assert view.joiners == (3, 4) and view.sources == {3: 1, 4: 0}
@@ -108,6 +109,9 @@ def test_decide_leaves_out_a_region_that_announces_it_leaves() -> None:
     assert mine.me == -1 and "b" in mine.left and not mine.refused
     alone = decide([leaving], 5, "k", "b:x")
     assert alone.members == () and alone.left == ("b",) and alone.me == -1
+    # the others are joining: b holds the run's state, so it stays to hand it over first
+    view = decide([leaving, member("c", 0, -1)], 6, "k", "b:x")
+    assert view.left == () and view.regions == ("b", "c") and view.sources == {1: 0}
 
 
 def test_decide_is_the_same_whatever_the_order() -> None:
@@ -158,7 +162,8 @@ def worker_args(steps: int, pace: float, **extra: object) -> list[str]:
     args = {
         "steps": steps, "sync-every": 10, "codec": "quant", "level": 8, "min-regions": 1,
         "start-regions": 2, "hidden": 64, "batch": 64, "lr": 0.05, "seed": 0,
-        "exchange-timeout": 10, "quorum-timeout": 20, "pace": pace, **extra,
+        "exchange-timeout": 10, "quorum-timeout": 20, "pace": pace, "heartbeat": HEARTBEAT_S,
+        **extra,
     }  # fmt: skip
     out = []
     for k, v in args.items():

@@ -65,6 +65,7 @@ def _config(args: argparse.Namespace) -> Any:
         "quorum_timeout_s": args.quorum_timeout,
         "spot": args.spot,
         "spot_poll_s": args.spot_poll,
+        "heartbeat_timeout_s": args.heartbeat,  # the Lighthouse's
     }
     board = {"tensorboard_dir": args.tensorboard} if args.tensorboard else {}
     level = None if args.codec == "auto" else args.level
@@ -449,6 +450,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         "--start-regions", str(args.start_regions or args.regions),
         "--hidden", str(args.hidden), "--batch", str(args.batch), "--lr", str(args.lr),
         "--seed", str(args.seed), "--exchange-timeout", str(args.exchange_timeout),
+        "--heartbeat", str(args.heartbeat),
         "--quorum-timeout", str(args.quorum_timeout), "--pace", str(args.pace),
         *(["--stop-file", args.stop_file] if args.stop_file else []),
         *(["--tensorboard", args.tensorboard] if args.tensorboard else []),
@@ -689,7 +691,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--sync-every", type=_int_or_auto, default=10,
         help="outer: H, or 'auto' (planned for the regions present); step: the quorum's interval",
     )  # fmt: skip
-    parser.add_argument("--codec", default="quant", help="a codec, or 'auto' (outer mode)")
+    parser.add_argument("--codec", default="quant", help="a codec, or 'auto'")
     parser.add_argument("--level", type=int, default=8)
     parser.add_argument("--min-regions", type=int, default=1)
     parser.add_argument(
