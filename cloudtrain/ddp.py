@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .bootstrap import init
+from .bootstrap import init, start_control_group
 from .buffers import RegionBuffers
 from .config import AUTO, CompressionConfig
-from .hook import CommState, compressed_hook
-from .outer import OuterLoop
+from .hook import CommState, compressed_hook, wants_controller
+from .outer import OuterLoop, fixed_schedule, own_group_names
 from .stats import CommStats
 from .topology import Topology
 
@@ -116,6 +116,19 @@ def batch_of(inputs: tuple, kwargs: dict[str, Any]) -> int:
     return 1
 
 
+def _start_up(config: CompressionConfig, topo: Topology) -> bool:
+    """Begin making the groups the controller or the outer loop will have of their own; whether
+    the links are probed at start-up (for the controller, or the outer loop's choice of H and
+    codec). Making a group across the WAN is round trips; they overlap what comes before."""
+    if wants_controller(config, topo):
+        topo.start_private(("control",), config.timeout)
+        return True
+    if config.outer is not None and not topo.single_region:
+        topo.start_private(own_group_names(topo), config.timeout)
+        return fixed_schedule(config.outer, topo) is None
+    return False
+
+
 class CloudDDP(DistributedDataParallel):
     """DistributedDataParallel that compresses gradients between regions (module docstring).
 
@@ -152,12 +165,19 @@ class CloudDDP(DistributedDataParallel):
         init(timeout_s=config.timeout_s)
         if "process_group" in ddp_kwargs:
             raise ValueError("CloudDDP makes its own process groups; do not pass process_group")
+        start_control_group(config.timeout_s)  # its rendezvous overlaps the checks
         _check_dense(module)
         check_agreement(module, config)
-        topo = Topology.discover(config, config.timeout)
+        # the groups' rendezvous (store round trips across the WAN) overlaps DDP's construction
+        # and the links' probe
+        topo = Topology.discover(config, config.timeout, wait=False)
+        probe = _start_up(config, topo)
         init_sync = ddp_kwargs.pop("init_sync", True)
         # across regions rank 0's parameters and buffers cross each link once, not once a rank
         super().__init__(module, init_sync=init_sync and topo.single_region, **ddp_kwargs)
+        if probe and topo.links is None:
+            topo.probe()  # on the control group, made before the others
+        topo.wait_groups()
         if init_sync and not topo.single_region:
             self._sync_across_regions(topo, ddp_kwargs)
         by_time = config.outer is not None and config.outer.work == "time"

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .bootstrap import control_group
+from .bootstrap import control_group, gloo_group
 from .collectives import CommError, all_gather_single, collective_failure
 from .datapath import CrossRegion
 from .membership import ElasticStats, Membership
@@ -108,17 +108,6 @@ def cross_group(store: Any, rank: int, size: int, timeout: timedelta, ranks: Seq
     the quorum's Topology: that translation is registered (`release_group` removes it), so the
     exchange's point-to-point calls (`dst=` a Topology rank) work on it unchanged."""
     return register_ranks(gloo_group(store, rank, size, timeout), ranks)
-
-
-def gloo_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
-    """`cross_group`'s group, its ranks not yet registered (so it can be made on a thread)."""
-    pg = dist.ProcessGroup(store, rank, size)
-    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    backend = dist.ProcessGroupGloo(store, rank, size, timeout)
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    if torch.cuda.is_available():
-        pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
-    return pg
 
 
 def store_client(address: str, timeout: timedelta) -> Any:

@@ -225,6 +225,11 @@ class CommThread:
             fn()
 
 
+def wants_controller(config: CompressionConfig, topo: Topology) -> bool:
+    """Whether per-step "auto" runs a controller here: several regions, no outer loop."""
+    return config.codec == AUTO and not topo.single_region and config.outer is None
+
+
 class CommState:
     """Everything CloudDDP's comm hook keeps between calls (one per CloudDDP): the config and
     topology, the plan and step, and the parts that do the work."""
@@ -275,7 +280,7 @@ class CommState:
             self.shares = BatchShares(config.global_batch, topo.world_size)
         codecs = Codecs(config)
         self.controller = None
-        if config.codec == AUTO and not topo.single_region and not self.region_only:
+        if wants_controller(config, topo):
             from .controller import Controller
 
             if topo.links is None:

@@ -276,6 +276,12 @@ def _check_fragments(numel: int, fragments: int, cut: int) -> None:
         )
 
 
+def own_group_names(topo: Topology) -> list[str]:
+    """The groups the outer loop's exchange has of its own (Topology.private): it may run on a
+    background thread while the hook reduces gradients."""
+    return [n for n in topo.group_ranks() if n.startswith(("region", "cross"))]
+
+
 def fixed_schedule(outer: OuterConfig, topo: Topology) -> Schedule | None:
     """The schedule when there is nothing to choose (H and the codec given, or one region);
     None: it is chosen after DECIDE_AFTER steps."""
@@ -363,8 +369,7 @@ class OuterLoop:
             matrix = topo.links if topo.links is not None else topo.probe()  # every rank, now
             self.links = region_links(matrix, topo.members, topo.shards)
         # the exchange may run on a background thread while the hook reduces gradients
-        groups = [n for n in topo.group_ranks() if n.startswith(("region", "cross"))]
-        self.own = topo.private(groups, config.timeout)
+        self.own = topo.private(own_group_names(topo), config.timeout)
         self.path = CrossRegion(config, self.own, self.codecs, self.ef, stats)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cloudtrain-outer")
         self._handle = optimizer.register_step_post_hook(self._after_step)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .bootstrap import control_group
+from .bootstrap import GroupsInMaking, control_group
 from .buffers import BROADCAST_BUCKET_BYTES
 from .config import CompressionConfig
 from .probe import LinkMatrix, cluster_regions, expand, probe, representative_pairs
@@ -108,6 +108,10 @@ class Topology:
     groups: dict[str, Any] = field(default_factory=dict, repr=False)
     links: LinkMatrix | None = field(default=None, repr=False)
     """Measured links between all ranks, where they were probed."""
+    _making: GroupsInMaking | None = field(default=None, repr=False, compare=False)
+    _private_making: dict[tuple[str, ...], GroupsInMaking] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self.regions = tuple(sorted(set(self.rank_regions)))
@@ -148,8 +152,10 @@ class Topology:
         )
 
     @classmethod
-    def discover(cls, config: CompressionConfig, timeout: timedelta) -> Topology:
-        """All ranks: agree on every rank's region and create the process groups."""
+    def discover(cls, config: CompressionConfig, timeout: timedelta, wait: bool = True) -> Topology:
+        """All ranks: agree on every rank's region and create the process groups. `wait=False`:
+        the gloo groups are still being made on return (their rendezvous is round trips on the
+        store; the caller overlaps it with its own work): call wait_groups() before using them."""
         rank, world = dist.get_rank(), dist.get_world_size()
         control = control_group(timeout.total_seconds())
         names: list[Any] = [None] * world
@@ -160,7 +166,9 @@ class Topology:
             names = [f"{AUTO_REGION}{label}" for label in cluster_regions(links)]
         topo = cls(rank, world, tuple(names), links=links)
         topo.groups["control"] = control
-        topo._create_groups(timeout)
+        topo._making = topo._start_groups(timeout)
+        if wait:
+            topo.wait_groups()
         return topo
 
     def probe(self) -> LinkMatrix:
@@ -210,29 +218,52 @@ class Topology:
             out[f"cross{shard}"] = list(self.shard_owners(shard))
         return out
 
-    def _create_groups(self, timeout: timedelta) -> None:
+    def _start_groups(self, timeout: timedelta) -> GroupsInMaking:
+        """Make the groups of `group_ranks`: the region's own collectives on the job's backend
+        (new_group, here), those across regions on gloo (made at once, on threads)."""
         backend = dist.get_backend()
+        across: dict[str, list[int]] = {}
         for name, ranks in self.group_ranks().items():
-            # the region's own collectives on the job's backend, those across regions on gloo
             inside = name == "dense" or name.startswith("region")
-            self.groups[name] = dist.new_group(
-                ranks, timeout=timeout, backend=backend if inside else "gloo"
-            )
+            if inside and backend != "gloo":
+                self.groups[name] = dist.new_group(ranks, timeout=timeout, backend=backend)
+            else:
+                across[name] = ranks
+        return GroupsInMaking(across, timeout)
+
+    def wait_groups(self) -> None:
+        """The groups `discover(wait=False)` left in the making, made (all ranks call)."""
+        if self._making is not None:
+            self.groups.update(self._making.wait())
+            self._making = None
 
     def private(self, names: Sequence[str], timeout: timedelta) -> Topology:
         """A copy with new gloo process groups for `names` ("control" too), made in the same
         order on every rank (all ranks call); other groups are shared. For collectives on a
         background thread, which must never interleave with those on the topology's groups
         (and gloo, also inside a region: NCCL collectives issued from two threads on one device
-        can be queued in different orders on different ranks and deadlock)."""
+        can be queued in different orders on different ranks and deadlock). Those that
+        start_private began are taken."""
+        self.wait_groups()
+        making = self._private_making.pop(tuple(names), None)
+        if making is None:
+            making = self.start_private(names, timeout, keep=False)
+        own = dataclasses.replace(self, groups={**self.groups, **making.wait()}, _private_making={})
+        return own
+
+    def start_private(
+        self, names: Sequence[str], timeout: timedelta, keep: bool = True
+    ) -> GroupsInMaking:
+        """Begin making the groups of a later private(names) (all ranks call, in the same order),
+        so that their rendezvous overlaps other work."""
         ranks = {"control": list(range(self.world_size)), **self.group_ranks()}
         unknown = [name for name in names if name not in ranks]
         if unknown:
             raise ValueError(f"no process group {unknown} in this topology (it has {list(ranks)})")
-        own = dataclasses.replace(self, groups=dict(self.groups))
-        for name in names:
-            own.groups[name] = dist.new_group(ranks[name], timeout=timeout, backend="gloo")
-        return own
+        making = GroupsInMaking({name: ranks[name] for name in names}, timeout)
+        if keep:
+            self._private_making[tuple(names)] = making
+        return making
 
     def group(self, name: str) -> Any:
         return self.groups[name]

@@ -85,3 +85,62 @@ def test_every_rank_starts_from_rank_0s_model_sent_across_regions_once(ddp_kwarg
         assert [m[0] for m in means] == [0.0, 1.0, 2.0]
     else:
         assert means == [[0.0] * 16] * 3
+
+
+def _groups_at_once(rank: int, world: int) -> tuple:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import cloudtrain
+    from cloudtrain.bootstrap import GroupsInMaking
+
+    cloudtrain.init()
+    making = GroupsInMaking({"all": [0, 1, 2], "pair": [2, 0], "one": [1]}, timedelta(seconds=30))
+    groups = making.wait()
+    assert making.wait() is groups  # waited for once
+    seen = {}
+    for name, group in groups.items():
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            seen[name] = None
+            continue
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=group)
+        # registered as new_group registers: its backend, this rank's number in it (ascending)
+        seen[name] = (dist.get_backend(group), dist.get_rank(group), t.item())
+    src = dist.get_global_rank(groups["pair"], 1) if rank != 1 else None
+    dist.destroy_process_group()  # takes the registered groups with it
+    return seen, src
+
+
+def test_groups_made_at_once_are_registered_like_new_groups() -> None:
+    """GroupsInMaking: each group on a thread with its own client of the store; wait() registers
+    them in torch.distributed's world - get_backend, get_rank(group) numbered in ascending order
+    of the ranks, as new_group numbers them; a rank outside a group gets NON_GROUP_MEMBER."""
+    results = run_ranks(3, _groups_at_once)
+    assert results[0] == ({"all": ("gloo", 0, 6.0), "pair": ("gloo", 0, 4.0), "one": None}, 2)
+    assert results[1] == ({"all": ("gloo", 1, 6.0), "pair": None, "one": ("gloo", 0, 2.0)}, None)
+    assert results[2] == ({"all": ("gloo", 2, 6.0), "pair": ("gloo", 1, 4.0), "one": None}, 2)
+
+
+def _group_missing_a_rank(rank: int, world: int) -> str:
+    from datetime import timedelta
+
+    import cloudtrain
+    from cloudtrain.bootstrap import GroupsInMaking
+
+    cloudtrain.init()
+    # rank 1 never starts the group: rank 0 waits out the timeout and says which group
+    if rank == 1:
+        return "absent"
+    try:
+        GroupsInMaking({"both": [0, 1]}, timedelta(seconds=2)).wait()
+    except RuntimeError as e:
+        return str(e)
+    return "made"
+
+
+def test_a_group_whose_rank_never_comes_fails_naming_it() -> None:
+    message = run_ranks(2, _group_missing_a_rank)[0]
+    assert "making the gloo process group 'both' of ranks [0, 1] failed" in message
