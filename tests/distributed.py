@@ -22,7 +22,6 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import socket
 import subprocess
 import sys
 import time
@@ -43,9 +42,10 @@ class RankFailed(AssertionError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nothing listens on now, outside the ephemeral range (chaos.free_ports)."""
+    from cloudtrain.tools.chaos import free_ports
+
+    return free_ports(1)[0]
 
 
 def _child(fn, rank, world, port, env, args, results) -> None:

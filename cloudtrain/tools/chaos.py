@@ -537,15 +537,26 @@ def network(args: argparse.Namespace, layout: dict[str, int]) -> Iterator[tuple[
 
 
 def free_ports(n: int) -> list[int]:
-    """n TCP ports nothing listens on now (loopback runs)."""
-    socks = [socket.socket() for _ in range(n)]
+    """n TCP ports nothing listens on now (loopback runs), below the kernel's range of ephemeral
+    ports: a region started a minute after its port was chosen finds it free, where a port from
+    that range may meanwhile be any connection's own (a store client's, gloo's: EADDRINUSE)."""
     try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    candidates = random.Random().sample(range(max(1024, ephemeral - 12000), ephemeral), 200)
+    ports: list[int] = []
+    for port in candidates:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"no {n} free TCP ports below {ephemeral} on loopback")
 
 
 def chaos_events(cluster: Cluster, args: argparse.Namespace) -> list[tuple[str, RegionProcs]]:
