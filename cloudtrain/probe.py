@@ -2,11 +2,12 @@
 
 Each ordered pair (i -> j), one pair at a time so no two probes share a bottleneck: i sends
 one-byte pings, a warm-up transfer, then messages of growing size (from what the warm-up
-showed, at least 64 KiB, doubling) until one's transfer - its time less the fastest ping - takes
-at least `max_seconds` and twice the round trip, or the size reaches `max_bytes` (that size is
-repeated, and where it read under 0.75x of the size before it - or of the warm-up - twice that
-size too, within `max_bytes`: SLOW_READING);
-j answers each with a one-byte ack, i times them.
+showed, at least 64 KiB, then sized from the rate the last one read: GROWTH) until one's
+transfer - its time less the fastest ping - takes at least `max_seconds` and twice the round
+trip, or the size reaches `max_bytes` (that size is repeated, and where it read under 0.75x of
+the size before it - or of the warm-up - twice that size too, within `max_bytes`:
+SLOW_READING); j answers each with a one-byte ack, i times them (and each message's
+announcement, a ping too).
 (Sizes that only show the round trip cannot show bandwidth: across 80 ms, a few hundred KB take
 the round trip and a jitter's worth more, whatever the link's rate.) alpha (seconds, about one
 round trip) is the fastest ping, beta (bytes per second) the best rate of the repeated sizes, per
@@ -42,6 +43,12 @@ probe in three read 0.62x of one TCP flow at 1.2 MB, all three repeats alike, wh
 had read 1.1x and 1.8 MB messages read 1.08x; at 200 Mbit/s, one in five read 0.70x at 4 MB,
 under the warm-up's rate. With the second message, 15 probes at 50 and 200 Mbit/s, 80 and
 180 ms read 0.90-1.15x of the flow, against 0.62-1.15x before."""
+GROWTH = 1.25
+"""The next message carries what the last one's rate would carry in GROWTH x the target time
+(at least twice the last size, at most 8x): the rate a short message reads is low (its round trip
+and slow start weigh on it), so sizes reach one that shows bandwidth in a step or two, where
+doubling took four or five (at 200 Mbit/s and 180 ms: 700 KB, 1.4, 2.8, 5.6, 11.2 MB, about
+2.5 s of a pair's 8.3 s)."""
 MIN_TRANSFER_S = 0.1
 """The shortest transfer that shows a shaped link's rate. A message that starts with a full
 window overruns the shaper's queue, and recovering its losses takes much of a short transfer:
@@ -129,15 +136,18 @@ def fit_measured(samples: list[tuple[int, float]]) -> tuple[float, float]:
 
 def _timed(
     size: int, payload: torch.Tensor, header: torch.Tensor, ack: torch.Tensor, dst: int, group: Any
-) -> tuple[int, float]:
-    """One timed message of `size` bytes to dst and its ack (dst's receive posted first)."""
+) -> tuple[tuple[int, float], tuple[int, float]]:
+    """One timed message of `size` bytes to dst and its ack (dst's receive posted first): the
+    announcement's round trip - a one-byte ping: dst's receive for it is posted since its last
+    ack - and the message's (size, seconds)."""
     header[0] = size
+    t0 = time.perf_counter()
     dist.send(header, group=group, group_dst=dst)
     dist.recv(ack, group=group, group_src=dst)  # dst's receive is posted
-    t0 = time.perf_counter()
+    t1 = time.perf_counter()
     dist.send(payload[:size], group=group, group_dst=dst)
     dist.recv(ack, group=group, group_src=dst)
-    return size, time.perf_counter() - t0
+    return (1, t1 - t0), (size, time.perf_counter() - t1)
 
 
 def _rank_and_size(group: Any) -> tuple[int, int]:
@@ -158,46 +168,52 @@ def _measure(
     Gloo sends a message only once the receiver has posted its receive (the receiver announces
     it over the wire), so the size goes ahead untimed and dst answers "ready" once its receive
     is posted: the timed part is then payload out and ack back, one round trip plus the
-    transfer. A warm-up transfer takes TCP out of slow start, and its rate sizes the first timed
-    message (at least `start` bytes); one-byte pings, around it, time the round trip. Sizes
-    double until the transfer, not the round trip, dominates: at least max_seconds and twice the
-    round trip; that size is repeated, and twice it too (within max_bytes) where it read under
-    SLOW_READING of the size before it (of the warm-up, for the first size)."""
+    transfer; the announcement's own round trip is a ping. A warm-up transfer takes TCP out of
+    slow start, and its rate sizes the first timed message (at least `start` bytes); one-byte
+    pings, around it, time the round trip. Sizes grow (GROWTH) until the transfer, not the round
+    trip, dominates: at least max_seconds and twice the round trip; that size is repeated, and
+    twice it too (within max_bytes) where it read under SLOW_READING of the size before it (of
+    the warm-up, for the first size)."""
     me = _rank_and_size(group)[0]
     header = torch.zeros(1, dtype=torch.int64)
     ack = torch.zeros(1, dtype=torch.uint8)
     samples: list[tuple[int, float]] = []
     if me == src:
         payload = torch.zeros(max_bytes, dtype=torch.uint8)
+        args = (payload, header, ack, dst, group)
         # A connection that has carried little is still in TCP slow start, and across a long
         # round trip that would make every small message look slower: a warm-up transfer first,
         # not a sample, whose rate (a floor: slow start is in it) sizes the first timed message.
-        # One-byte pings time the round trip alone, around it (a fresh connection's first
-        # messages can be slow: the fastest counts).
-        samples.append(_timed(1, payload, header, ack, dst, group))
-        warm, took = _timed(min(WARMUP_BYTES, max_bytes), payload, header, ack, dst, group)
-        for _ in range(max(repeats, 2)):
-            samples.append(_timed(1, payload, header, ack, dst, group))
+        # One-byte pings time the round trip alone, around it, and so does every message's
+        # announcement (a fresh connection's first messages can be slow: the fastest counts).
+        samples.extend(_timed(1, *args))
+        announced, (warm, took) = _timed(min(WARMUP_BYTES, max_bytes), *args)
+        samples += [announced, *_timed(1, *args)]
         rtt = min(t for _, t in samples)
         rate = warm / max(took - rtt, 1e-9)  # the last size's (first, the warm-up's), bytes/s
-        size = int(min(max(start, rate * max(max_seconds, 2 * rtt)), max_bytes))
+        target = max(max_seconds, 2 * rtt)
+        size = int(min(max(start, rate * target), max_bytes))
         while True:
-            samples.append(_timed(size, payload, header, ack, dst, group))
+            samples.extend(_timed(size, *args))
+            rtt = min(rtt, samples[-2][1])
             transfer = samples[-1][1] - rtt
-            if transfer >= max(max_seconds, 2 * rtt) or size * 2 > max_bytes:
+            if transfer >= target or size * 2 > max_bytes:
                 for _ in range(repeats - 1):  # the size that shows bandwidth: its fastest counts
-                    samples.append(_timed(size, payload, header, ack, dst, group))
+                    samples.extend(_timed(size, *args))
                 fastest = min(t for b, t in samples if b == size) - rtt
                 if size / max(fastest, 1e-9) < SLOW_READING * rate and size * 2 <= max_bytes:
-                    # slower than half its size (or the warm-up, slow start and all) was, every
-                    # time: a message that overran the shaper's queue and spent its time
+                    # slower than the size before it (or the warm-up, slow start and all) was,
+                    # every time: a message that overran the shaper's queue and spent its time
                     # recovering losses. Once more, twice as long (the best of the sizes
                     # repeated counts: fit_measured)
                     for _ in range(max(repeats - 1, 2)):
-                        samples.append(_timed(size * 2, payload, header, ack, dst, group))
+                        samples.extend(_timed(size * 2, *args))
                 break
             rate = size / max(transfer, 1e-9)
-            size *= 2
+            # at least twice the size, and what the rate it read would carry in GROWTH x the
+            # target (a rate read from a short message is low: its round trip and slow start
+            # weigh on it), within 8x
+            size = int(min(max(2 * size, min(8 * size, GROWTH * rate * target)), max_bytes))
         header[0] = 0
         dist.send(header, group=group, group_dst=dst)
     elif me == dst:
