@@ -28,7 +28,7 @@ from .config import AUTO, CompressionConfig
 from .hook import CommState, compressed_hook, wants_controller
 from .outer import OuterLoop, fixed_schedule, own_group_names
 from .stats import CommStats
-from .topology import Topology
+from .topology import Topology, local_region_name
 
 log = logging.getLogger("cloudtrain")
 
@@ -67,11 +67,15 @@ def _identity(module: torch.nn.Module, config: CompressionConfig) -> dict[str, A
     }
 
 
-def check_agreement(module: torch.nn.Module, config: CompressionConfig) -> None:
-    """All ranks compare model and config before the first step; a difference raises, named."""
-    mine = _identity(module, config)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+def check_agreement(module: torch.nn.Module, config: CompressionConfig) -> list[str | None]:
+    """All ranks compare model and config before the first step; a difference raises, named.
+    Returns every rank's region name as it knows it (topology.local_region_name): gathered in
+    the same collective, so that Topology.discover needs no gathering of its own."""
+    world = dist.get_world_size()
+    mine = (_identity(module, config), local_region_name(config, dist.get_rank(), world))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    everyone = [identity for identity, _ in gathered]
     ref = everyone[0]
     for rank, other in enumerate(everyone):
         if other == ref:
@@ -96,6 +100,7 @@ def check_agreement(module: torch.nn.Module, config: CompressionConfig) -> None:
                     f"rank {rank}'s model differs from rank 0's: parameter {pb[0]!r} is {pb[1:]} "
                     f"(shape, dtype, requires_grad) on rank {rank} and {pa[0]!r} {pa[1:]} on rank 0"
                 )
+    return [name for _, name in gathered]
 
 
 def _region_group(topo: Topology) -> Any:
@@ -167,10 +172,10 @@ class CloudDDP(DistributedDataParallel):
             raise ValueError("CloudDDP makes its own process groups; do not pass process_group")
         start_control_group(config.timeout_s)  # its rendezvous overlaps the checks
         _check_dense(module)
-        check_agreement(module, config)
+        names = check_agreement(module, config)
         # the groups' rendezvous (store round trips across the WAN) overlaps DDP's construction
         # and the links' probe
-        topo = Topology.discover(config, config.timeout, wait=False)
+        topo = Topology.discover(config, config.timeout, wait=False, names=names)
         probe = _start_up(config, topo)
         init_sync = ddp_kwargs.pop("init_sync", True)
         # across regions rank 0's parameters and buffers cross each link once, not once a rank

@@ -1,13 +1,12 @@
 """Bandwidth prober: measure every link between ranks, and find regions from the measurements.
 
-Each ordered pair (i -> j), one pair at a time so no two probes share a bottleneck: i sends
-one-byte pings, a warm-up transfer, then messages of growing size (from what the warm-up
-showed, at least 64 KiB, then sized from the rate the last one read: GROWTH) until one's
+Each ordered pair (i -> j), alone or beside pairs that share no link with it (`rounds`): i sends
+a warm-up transfer, then messages of growing size (from what the warm-up showed, at least 64 KiB, then sized from the rate the last one read: GROWTH) until one's
 transfer - its time less the fastest ping - takes at least `max_seconds` and twice the round
 trip, or the size reaches `max_bytes` (that size is repeated, and where it read under 0.75x of
 the size before it - or of the warm-up - twice that size too, within `max_bytes`:
 SLOW_READING); j answers each with a one-byte ack, i times them (and each message's
-announcement, a ping too).
+announcement: a one-byte ping).
 (Sizes that only show the round trip cannot show bandwidth: across 80 ms, a few hundred KB take
 the round trip and a jitter's worth more, whatever the link's rate.) alpha (seconds, about one
 round trip) is the fastest ping, beta (bytes per second) the best rate of the repeated sizes, per
@@ -169,11 +168,10 @@ def _measure(
     it over the wire), so the size goes ahead untimed and dst answers "ready" once its receive
     is posted: the timed part is then payload out and ack back, one round trip plus the
     transfer; the announcement's own round trip is a ping. A warm-up transfer takes TCP out of
-    slow start, and its rate sizes the first timed message (at least `start` bytes); one-byte
-    pings, around it, time the round trip. Sizes grow (GROWTH) until the transfer, not the round
-    trip, dominates: at least max_seconds and twice the round trip; that size is repeated, and
-    twice it too (within max_bytes) where it read under SLOW_READING of the size before it (of
-    the warm-up, for the first size)."""
+    slow start, and its rate sizes the first timed message (at least `start` bytes). Sizes grow
+    (GROWTH) until the transfer, not the round trip, dominates: at least max_seconds and twice
+    the round trip; that size is repeated, and twice it too (within max_bytes) where it read
+    under SLOW_READING of the size before it (of the warm-up, for the first size)."""
     me = _rank_and_size(group)[0]
     header = torch.zeros(1, dtype=torch.int64)
     ack = torch.zeros(1, dtype=torch.uint8)
@@ -184,12 +182,12 @@ def _measure(
         # A connection that has carried little is still in TCP slow start, and across a long
         # round trip that would make every small message look slower: a warm-up transfer first,
         # not a sample, whose rate (a floor: slow start is in it) sizes the first timed message.
-        # One-byte pings time the round trip alone, around it, and so does every message's
-        # announcement (a fresh connection's first messages can be slow: the fastest counts).
-        samples.extend(_timed(1, *args))
+        # Every message's announcement is a one-byte ping: they time the round trip alone (a
+        # fresh connection's first messages can be slow: the fastest counts). Pings of their
+        # own would cost two round trips each and time nothing more.
         announced, (warm, took) = _timed(min(WARMUP_BYTES, max_bytes), *args)
-        samples += [announced, *_timed(1, *args)]
-        rtt = min(t for _, t in samples)
+        samples.append(announced)
+        rtt = announced[1]
         rate = warm / max(took - rtt, 1e-9)  # the last size's (first, the warm-up's), bytes/s
         target = max(max_seconds, 2 * rtt)
         size = int(min(max(start, rate * target), max_bytes))
@@ -235,7 +233,7 @@ def probe(
     *,
     max_seconds: float = MIN_TRANSFER_S,
     max_bytes: int = 32 * 1024 * 1024,
-    repeats: int = 3,
+    repeats: int = 2,
     start_bytes: int = START_BYTES,
     pairs: Sequence[tuple[int, int]] | None = None,
     region: Sequence[int] | None = None,

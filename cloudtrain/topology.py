@@ -152,14 +152,27 @@ class Topology:
         )
 
     @classmethod
-    def discover(cls, config: CompressionConfig, timeout: timedelta, wait: bool = True) -> Topology:
+    def discover(
+        cls,
+        config: CompressionConfig,
+        timeout: timedelta,
+        wait: bool = True,
+        names: Sequence[str | None] | None = None,
+    ) -> Topology:
         """All ranks: agree on every rank's region and create the process groups. `wait=False`:
         the gloo groups are still being made on return (their rendezvous is round trips on the
-        store; the caller overlaps it with its own work): call wait_groups() before using them."""
+        store; the caller overlaps it with its own work): call wait_groups() before using them.
+        `names`: every rank's local_region_name, where the caller has gathered them already
+        (CloudDDP, with its model check)."""
         rank, world = dist.get_rank(), dist.get_world_size()
         control = control_group(timeout.total_seconds())
-        names: list[Any] = [None] * world
-        dist.all_gather_object(names, local_region_name(config, rank, world), group=control)
+        if names is None:
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, local_region_name(config, rank, world), group=control)
+            names = gathered
+        if len(names) != world:
+            raise ValueError(f"names: one region name per rank ({world}), got {len(names)}")
+        names = list(names)
         links = None
         if any(name is None for name in names):
             links = probe(control)

@@ -38,18 +38,24 @@ def test_local_region_name_from_config(monkeypatch: pytest.MonkeyPatch) -> None:
         local_region_name(CompressionConfig(regions="a,b"), 0, 4)
 
 
-def _discover(rank: int, world: int, regions: str) -> tuple:
+def _discover(rank: int, world: int, regions: str, gathered: bool) -> tuple:
+    import torch
+
     import cloudtrain
+    from cloudtrain.ddp import check_agreement
     from cloudtrain.topology import Topology
 
     cloudtrain.init()
     config = CompressionConfig(regions=regions, timeout_s=30)
-    topo = Topology.discover(config, config.timeout)
+    # CloudDDP's way: the names come with the model check's gathering, on the default group
+    names = check_agreement(torch.nn.Linear(2, 2), config) if gathered else None
+    topo = Topology.discover(config, config.timeout, names=names)
     return topo.rank_regions, topo.region, topo.shard, sorted(topo.groups)
 
 
-def test_discover_agrees_on_every_rank_and_makes_the_groups() -> None:
-    results = run_ranks(3, _discover, "b,a,b")
+@pytest.mark.parametrize("gathered", [False, True])
+def test_discover_agrees_on_every_rank_and_makes_the_groups(gathered: bool) -> None:
+    results = run_ranks(3, _discover, "b,a,b", gathered)
     for rank, (regions, region, shard, groups) in enumerate(results):
         assert regions == ("b", "a", "b")
         assert region == (0 if rank == 1 else 1)
