@@ -1,12 +1,12 @@
 """Bandwidth prober: measure every link between ranks, and find regions from the measurements.
 
 Each ordered pair (i -> j), alone or beside pairs that share no link with it (`rounds`): i sends
-a warm-up transfer, then messages of growing size (from what the warm-up showed, at least 64 KiB, then sized from the rate the last one read: GROWTH) until one's
-transfer - its time less the fastest ping - takes at least `max_seconds` and twice the round
-trip, or the size reaches `max_bytes` (that size is repeated, and where it read under 0.75x of
-the size before it - or of the warm-up - twice that size too, within `max_bytes`:
-SLOW_READING); j answers each with a one-byte ack, i times them (and each message's
-announcement: a one-byte ping).
+a warm-up transfer, then messages of growing size (from what the warm-up showed, at least
+64 KiB, then sized from the rate the last one read: GROWTH) until one's transfer - its time
+less the fastest ping - takes at least `max_seconds` and twice the round trip, or the size
+reaches `max_bytes` (that size is repeated, and where it read under 0.75x of the size before it
+- or of the warm-up - twice that size too, within `max_bytes`: SLOW_READING); j answers each
+with a one-byte ack, i times them (and each message's announcement: a one-byte ping).
 (Sizes that only show the round trip cannot show bandwidth: across 80 ms, a few hundred KB take
 the round trip and a jitter's worth more, whatever the link's rate.) alpha (seconds, about one
 round trip) is the fastest ping, beta (bytes per second) the best rate of the repeated sizes, per
