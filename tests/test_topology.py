@@ -50,6 +50,9 @@ def _discover(rank: int, world: int, regions: str, gathered: bool) -> tuple:
     # CloudDDP's way: the names come with the model check's gathering, on the default group
     names = check_agreement(torch.nn.Linear(2, 2), config) if gathered else None
     topo = Topology.discover(config, config.timeout, names=names)
+    # no rank leaves (closing its connections) while another is still connecting its groups:
+    # gloo reports that as "Connection closed by peer" on the rank still connecting
+    torch.distributed.barrier(group=topo.groups["control"])
     return topo.rank_regions, topo.region, topo.shard, sorted(topo.groups)
 
 
