@@ -132,6 +132,28 @@ def test_scenarios_carry_their_rtt_and_the_options_override_them():
         scenario_links(parser.parse_args(["--scenario", "unshaped", "--rtt-ms", "80"]))
 
 
+def test_the_methods_named_are_the_rows_run():
+    """--methods names the rows on every scenario (unshaped used to keep only compute, DDP and
+    "auto" of them, silently); the WAN scenarios add DDP over unshaped links before them."""
+    import argparse
+
+    from cloudtrain.tools.bench import METHODS, bench_methods, configure
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+
+    def rows(*argv: str) -> list[str]:
+        return bench_methods(parser.parse_args(list(argv)))
+
+    named = ["--methods", "ddp", "cloud-diloco-4bit"]
+    assert rows("--scenario", "unshaped", *named) == ["ddp", "cloud-diloco-4bit"]
+    assert rows("--scenario", "unshaped") == ["compute", "ddp", "cloud-auto"]
+    assert rows(*named) == ["ddp-loopback", "ddp", "cloud-diloco-4bit"]
+    assert rows() == list(METHODS)  # DDP over unshaped links among them
+    assert rows("--scenario", "drop") == ["compute", "ddp", "cloud-auto"]
+    assert rows("--sharded", "--methods", "hsdp") == ["hsdp"]
+
+
 def test_hetero_throughput_counts_every_rank_over_the_window_all_share(tmp_path):
     """Regions stepping apart (work by time): the fast pair's warm-up of 10 one-second steps ends
     at 10 s, the slow pair's (two-second steps) at 20 s. Over the window both spend past their

@@ -117,7 +117,20 @@ def scenario_links(args: argparse.Namespace) -> Scenario:
     return Scenario(rates, dict(rates), rtt)
 
 
-def _plot(runs: list[Run], path: Path, title: str) -> bool:
+def bench_methods(args: argparse.Namespace) -> list[str]:
+    """The rows a run measures: those --methods names (on the WAN scenarios, after DDP over
+    unshaped links, which the targets compare with), or the scenario's own."""
+    if args.sharded:
+        return list(args.methods or SHARDED_METHODS)
+    if args.scenario in ("hetero", "drop"):
+        return list(args.methods or ("compute", "ddp", "cloud-auto"))
+    if args.scenario == "unshaped":
+        return list(args.methods or ("compute", "ddp", "cloud-auto"))
+    methods = list(args.methods or METHODS)
+    return methods if "ddp-loopback" in methods else ["ddp-loopback", *methods]
+
+
+def _plot(runs: list[Run], path: Path, title: str, metric: str) -> bool:
     try:
         import matplotlib
 
@@ -128,10 +141,11 @@ def _plot(runs: list[Run], path: Path, title: str) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
         ts, accs = zip(*run.curve, strict=True)
-        ax.plot(ts, [100 * a for a in accs], marker=".", label=LABELS.get(run.method, run.method))
+        scale = 100 if metric == "accuracy" else 1
+        ax.plot(ts, [scale * a for a in accs], marker=".", label=LABELS.get(run.method, run.method))
     ax.set_xscale("log")
     ax.set_xlabel("training time per rank (s, log)")
-    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylabel("test accuracy (%)" if metric == "accuracy" else "held-out loss")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -166,17 +180,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         )
     else:
         network = f"loopback, no WAN shaping ({why}); the figures show overheads, not WAN savings"
-    methods = args.methods or (
-        ["compute", "ddp", "cloud-auto"] if args.scenario in ("hetero", "drop") else list(METHODS)
-    )
-    if args.sharded:
-        methods = args.methods or list(SHARDED_METHODS)
-    elif args.scenario == "unshaped":
-        methods = [m for m in methods if m in ("compute", "ddp", "cloud-auto")]
-    elif args.scenario in ("hetero", "drop"):
-        pass
-    elif "ddp-loopback" not in methods:
-        methods = ["ddp-loopback", *methods]  # the targets compare with DDP unshaped
+    methods = bench_methods(args)
     runs: list[Run] = []
     try:
         if args.scenario == "hetero-compute":  # rows of their own (cloudtrain.tools.hetero)
@@ -245,6 +249,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         "global_batch": runs[0].per_rank * len(regions) if runs else args.batch,
         "ranks": len(regions),
         "drop_at": args.drop_at if args.scenario == "drop" else None,
+        "metric": runs[0].metric if runs else "accuracy",
         "rows": rows,
     }
     if args.scenario == "drop" and compute:
@@ -257,7 +262,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     name = f"bench-{'sharded-' if args.sharded else ''}{args.scenario}"
     stem = save_report(report, args.out, name).with_suffix("")
     title = f"{args.scenario}: {netem_describe(links) if wan is not None else 'loopback'}"
-    if _plot(runs, stem.with_suffix(".png"), title):
+    if _plot(runs, stem.with_suffix(".png"), title, report["metric"]):
         report["plot"] = str(stem.with_suffix(".png"))
     return report
 
@@ -378,13 +383,14 @@ def _recovery(
 
 
 def print_table(report: dict[str, Any]) -> None:
+    metric = report.get("metric", "accuracy")  # "loss" for the transformers
     print(f"\ncloudtrain bench - scenario {report['scenario']}: {report['network']}")
     print(
         f"{report['model']}, {report['ranks']} ranks, global batch {report['global_batch']}, {report['steps']} steps"
     )
     print(
         f"{'method':31} {'step ms':>8} {'x compute':>9} {'x DDP unshaped':>14} "
-        f"{'WAN MB/step':>11} {'staleness':>9} {'accuracy':>8} {'predicted: ms':>13} {'MB/step':>8}"
+        f"{'WAN MB/step':>11} {'staleness':>9} {metric:>8} {'predicted: ms':>13} {'MB/step':>8}"
     )
     for row in report["rows"]:
         ratio = f"{row['x_compute']:9.2f}" if row["x_compute"] is not None else f"{'':>9}"
@@ -401,7 +407,12 @@ def print_table(report: dict[str, Any]) -> None:
         predicted = "" if pred_ms is None else f" {pred_ms:13.1f} {pred_mb:8.3f}"
         print(
             f"{row['label']:31} {row['step_ms']:8.1f} {ratio} {versus} {wan} {stale:>9} "
-            f"{100 * row['accuracy']:7.2f}%{predicted}"
+            + (
+                f"{100 * row['accuracy']:7.2f}%"
+                if metric == "accuracy"
+                else f"{row['accuracy']:8.4f}"
+            )
+            + predicted
         )
     for row in report["rows"]:
         if row.get("comm_ms_per_step"):
