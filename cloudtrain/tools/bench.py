@@ -122,9 +122,7 @@ def bench_methods(args: argparse.Namespace) -> list[str]:
     unshaped links, which the targets compare with), or the scenario's own."""
     if args.sharded:
         return list(args.methods or SHARDED_METHODS)
-    if args.scenario in ("hetero", "drop"):
-        return list(args.methods or ("compute", "ddp", "cloud-auto"))
-    if args.scenario == "unshaped":
+    if args.scenario in ("hetero", "drop", "unshaped"):
         return list(args.methods or ("compute", "ddp", "cloud-auto"))
     methods = list(args.methods or METHODS)
     return methods if "ddp-loopback" in methods else ["ddp-loopback", *methods]
@@ -139,9 +137,9 @@ def _plot(runs: list[Run], path: Path, title: str, metric: str) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    scale = 100 if metric == "accuracy" else 1
     for run in runs:
         ts, accs = zip(*run.curve, strict=True)
-        scale = 100 if metric == "accuracy" else 1
         ax.plot(ts, [scale * a for a in accs], marker=".", label=LABELS.get(run.method, run.method))
     ax.set_xscale("log")
     ax.set_xlabel("training time per rank (s, log)")
