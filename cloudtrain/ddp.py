@@ -180,11 +180,15 @@ class CloudDDP(DistributedDataParallel):
         init_sync = ddp_kwargs.pop("init_sync", True)
         # across regions rank 0's parameters and buffers cross each link once, not once a rank
         super().__init__(module, init_sync=init_sync and topo.single_region, **ddp_kwargs)
+        start_state = self._start_state(ddp_kwargs) if init_sync and not topo.single_region else []
+        carried = False
         if probe and topo.links is None:
-            topo.probe()  # on the control group, made before the others
+            # on the control group, made before the others; rank 0's start-up state goes across
+            # with it, on the connections it takes out of TCP slow start
+            carried = topo.carried(start_state)
+            topo.probe(carry=start_state if carried else ())
         topo.wait_groups()
-        if init_sync and not topo.single_region:
-            self._sync_across_regions(topo, ddp_kwargs)
+        topo.broadcast_from_rank0(start_state, carried=carried)
         by_time = config.outer is not None and config.outer.work == "time"
         if by_time and not topo.single_region:
             # regions step apart: DDP's own collectives (its bucket rebuild at the second
@@ -257,16 +261,17 @@ class CloudDDP(DistributedDataParallel):
         return steps
 
     @torch.no_grad()
-    def _sync_across_regions(self, topo: Topology, ddp_kwargs: dict[str, Any]) -> None:
-        """DDP's start-up sync (init_sync) in cloudtrain's groups: rank 0's parameters, and its
-        buffers unless the deprecated broadcast_buffers=False left them out, on every rank (the
-        model's shapes were compared by check_agreement)."""
+    def _start_state(self, ddp_kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """What DDP's start-up sync (init_sync) makes rank 0's on every rank, here in
+        cloudtrain's groups (Topology.broadcast_from_rank0): the parameters, and the buffers
+        unless the deprecated broadcast_buffers=False left them out (the model's shapes were
+        compared by check_agreement)."""
         ignore = self.parameters_to_ignore
         states = [t for name, t in self.module.named_parameters() if name not in ignore]
         legacy = ddp_kwargs.get("broadcast_buffers")
         if ddp_kwargs.get("forward_sync_buffers") is not None or legacy is None or legacy:
             states += [t for name, t in self.module.named_buffers() if name not in ignore]
-        topo.broadcast_from_rank0([t.detach() for t in states])
+        return [t.detach() for t in states]
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.training and torch.is_grad_enabled():

@@ -221,6 +221,11 @@ def _measure(
             size = int(header[0])
             if size == 0:
                 break
+            if not 0 < size <= max_bytes:
+                raise RuntimeError(
+                    f"cloudtrain probe: rank {src} announced a {size}-byte message where 1 to "
+                    f"{max_bytes} bytes were expected; every rank must run the same cloudtrain"
+                )
             work = dist.irecv(buf[:size], group=group, group_src=src)
             dist.send(ack, group=group, group_dst=src)
             work.wait()
@@ -237,28 +242,46 @@ def probe(
     start_bytes: int = START_BYTES,
     pairs: Sequence[tuple[int, int]] | None = None,
     region: Sequence[int] | None = None,
+    carry: torch.Tensor | None = None,
 ) -> LinkMatrix:
     """All ranks of `group` (a gloo group; default: the world) call this; all get the matrix,
     indexed by rank within the group. `pairs`: the (i, j) to measure (default: all); the others
     are left as zeros for `expand` to fill. `region`: each rank's region, where known: pairs
-    that share no link are then measured at the same time (`rounds`)."""
+    that share no link are then measured at the same time (`rounds`). `carry` (with `region`;
+    uint8, the same size on every rank): once all is measured, rank 0's goes to the receivers
+    of its pairs to other regions, whose `carry` becomes it - rank 0's start-up state crosses
+    on connections the probe has taken out of TCP slow start, where a broadcast of its own
+    would go through slow start again (cloudtrain.topology.Topology.broadcast_from_rank0)."""
     me, world = _rank_and_size(group)
     ranks = list(range(world))
     if pairs is None:
         pairs = [(i, j) for i in ranks for j in ranks if i != j]
-    mine: dict[int, tuple[float, float]] = {}
+    if carry is not None and (region is None or carry.dtype != torch.uint8):
+        raise ValueError("probe: carry needs the ranks' regions and a uint8 tensor")
+    mine = torch.full((world, 2), math.nan, dtype=torch.float64)  # this rank's row: (alpha, beta)
     sent = 0
     for i, j in (pair for batch in rounds(pairs, region) for pair in batch):
         if me not in (i, j):  # measured by others, alone or beside this rank's pair of the round
             continue
         samples = _measure(i, j, group, max_seconds, max_bytes, repeats, start_bytes)
         if me == i:
-            mine[j] = fit_measured(samples)
+            mine[j] = torch.tensor(fit_measured(samples), dtype=torch.float64)
             sent += min(WARMUP_BYTES, max_bytes) + sum(b for b, _ in samples)
-    rows: list[Any] = [None] * world
-    dist.all_gather_object(rows, mine, group=group)
-    alpha = tuple(tuple(rows[i].get(j, (0.0, math.inf))[0] for j in ranks) for i in ranks)
-    beta = tuple(tuple(rows[i].get(j, (0.0, math.inf))[1] for j in ranks) for i in ranks)
+    # one collective (an object gather is two, each a round trip or more across the WAN)
+    rows = [torch.empty_like(mine) for _ in ranks]
+    dist.all_gather(rows, mine, group=group)
+    seen = [[(a, b) if not math.isnan(a) else (0.0, math.inf) for a, b in r.tolist()] for r in rows]
+    alpha = tuple(tuple(seen[i][j][0] for j in ranks) for i in ranks)
+    beta = tuple(tuple(seen[i][j][1] for j in ranks) for i in ranks)
+    if carry is not None:  # after every pair: no measurement shares its link with it
+        to = sorted({j for i, j in pairs if i == 0 and region[j] != region[0]})  # type: ignore[index]
+        if me == 0:
+            works = [dist.isend(carry, group=group, group_dst=j) for j in to]
+            for work in works:
+                work.wait()
+            sent += len(to) * carry.numel()
+        elif me in to:
+            dist.recv(carry, group=group, group_src=0)
     return LinkMatrix(alpha, beta, sent)
 
 
@@ -292,17 +315,19 @@ def rounds(
     return out
 
 
-def _region_pair(a: Sequence[int], b: Sequence[int], forward: bool) -> tuple[int, int]:
-    """The ranks that stand for the link from region a to region b: the first ranks one way,
-    the last ranks the other way, so that both directions can be measured at once."""
-    return (a[0], b[0]) if forward else (a[-1], b[-1])
+def _region_pair(a: Sequence[int], b: Sequence[int]) -> tuple[int, int]:
+    """The ranks that stand for the link from region a to region b (ranks ascending in each):
+    the first ranks from the region of the lower first rank, the last ranks the other way, so
+    that both directions can be measured at once, and rank 0's links out of its region start
+    at rank 0 (what `probe`'s carry needs)."""
+    return (a[0], b[0]) if a[0] < b[0] else (a[-1], b[-1])
 
 
 def representative_pairs(members: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     """With regions known, the links that stand for all: between every two regions both ways
     (`_region_pair`), and inside each region of several ranks its first to its second and back."""
     out = [
-        _region_pair(members[r], members[q], r < q)
+        _region_pair(members[r], members[q])
         for r in range(len(members))
         for q in range(len(members))
         if r != q
@@ -323,7 +348,7 @@ def expand(links: LinkMatrix, members: Sequence[Sequence[int]]) -> LinkMatrix:
     def source(i: int, j: int) -> tuple[int, int]:
         r, q = region[i], region[j]
         if r != q:
-            return _region_pair(members[r], members[q], r < q)
+            return _region_pair(members[r], members[q])
         return (members[r][0], members[r][1])
 
     n = links.world_size

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .bootstrap import GroupsInMaking, control_group
@@ -184,10 +185,22 @@ class Topology:
             topo.wait_groups()
         return topo
 
-    def probe(self) -> LinkMatrix:
-        """Measure the links now (all ranks call), and keep the result (`measure`)."""
-        self.links = self.measure(self.group("control"), "links measured")
+    def probe(self, carry: Sequence[Any] = ()) -> LinkMatrix:
+        """Measure the links now (all ranks call), and keep the result (`measure`). `carry`:
+        tensors whose rank 0 values the probe takes across to the other regions' first ranks
+        on its way (`carried`); broadcast_from_rank0(carry, carried=True) then finishes inside
+        the regions."""
+        packed = _pack(carry) if self.carried(carry) else None
+        self.links = self.measure(self.group("control"), "links measured", carry=packed)
+        if packed is not None and self.shard == 0 and self.rank != 0:
+            _unpack(packed, carry)
         return self.links
+
+    def carried(self, tensors: Sequence[Any]) -> bool:
+        """Whether `probe` takes `tensors` across (the same answer on every rank: several
+        regions, and no more than CARRY_MAX_BYTES, whose copy each rank holds meanwhile)."""
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        return not self.single_region and 0 < size <= CARRY_MAX_BYTES
 
     def measure(self, group: Any, what: str, across: bool = False, **options: Any) -> LinkMatrix:
         """The links measured on `group` (all ranks call; `options` go to probe.probe): with the
@@ -281,17 +294,41 @@ class Topology:
     def group(self, name: str) -> Any:
         return self.groups[name]
 
-    def broadcast_from_rank0(self, tensors: Sequence[Any]) -> None:
+    def broadcast_from_rank0(self, tensors: Sequence[Any], carried: bool = False) -> None:
         """Rank 0's `tensors` on every rank (all ranks call, several regions), each region's link
         crossed once: to the other regions' first ranks over "cross0" (the shard-0 owners, rank
-        0 first), then from each first rank inside its region. DDP's own start-up broadcast
-        sends rank 0's copy to every rank, across the WAN once per rank of another region."""
+        0 first) - or, `carried`, already there with the start-up probe (`probe(carry=)`) -
+        then from each first rank inside its region. DDP's own start-up broadcast sends rank
+        0's copy to every rank, across the WAN once per rank of another region."""
         if not tensors:
             return
-        if self.shard == 0:
+        if self.shard == 0 and not carried:
             dist._broadcast_coalesced(
                 self.group("cross0"), list(tensors), BROADCAST_BUCKET_BYTES, 0
             )
         if len(self.members[self.region]) > 1:
             region = self.group(f"region{self.region}")
             dist._broadcast_coalesced(region, list(tensors), BROADCAST_BUCKET_BYTES, 0)
+
+
+CARRY_MAX_BYTES = 64 * 2**20
+"""The most start-up state (parameters and buffers) the start-up probe carries across. Its
+message takes a fresh connection through TCP slow start - about 8 round trips for 2 MB, which
+the probe pays anyway - where the broadcast on its own connections would pay them again (at
+180 ms, 1.1-1.5 s for 4.5 MB); beyond this, every rank's packed copy costs more memory than the
+round trips are worth."""
+
+
+def _pack(tensors: Sequence[Any]) -> torch.Tensor:
+    """The tensors' bytes, one after another, on the host."""
+    return torch.cat([t.detach().contiguous().cpu().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def _unpack(packed: torch.Tensor, tensors: Sequence[Any]) -> None:
+    """`_pack`'s bytes back into the tensors, in place."""
+    at = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            t.copy_(packed[at : at + n].clone().view(t.dtype).view(t.shape))
+            at += n

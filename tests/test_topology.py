@@ -66,34 +66,47 @@ def test_discover_agrees_on_every_rank_and_makes_the_groups(gathered: bool) -> N
         assert groups == ["control", "cross0", "dense", "region0", "region1"]
 
 
-def _start(rank: int, world: int, regions: str, ddp_kwargs: dict) -> tuple:
+def _start(rank: int, world: int, regions: str, ddp_kwargs: dict, codec: str) -> tuple:
     import torch
 
     import cloudtrain
 
     cloudtrain.init()
     torch.manual_seed(rank)  # every rank starts from its own weights and statistics
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.Linear(16, 3, dtype=torch.bfloat16),
+    )
     model[1].running_mean.fill_(float(rank))
-    config = CompressionConfig(codec="none", regions=regions, timeout_s=30)
+    model[1].num_batches_tracked.fill_(rank)  # an int64 buffer
+    config = CompressionConfig(codec=codec, regions=regions, timeout_s=30)
     ddp = cloudtrain.CloudDDP(model, config, **ddp_kwargs)
-    return [p.tolist() for p in ddp.module.parameters()], ddp.module[1].running_mean.tolist()
+    bn = ddp.module[1]
+    return (
+        [p.float().tolist() for p in ddp.module.parameters()],
+        bn.running_mean.tolist(),
+        int(bn.num_batches_tracked),
+    )
 
 
 @pytest.mark.parametrize("ddp_kwargs", [{}, {"broadcast_buffers": False}])
-def test_every_rank_starts_from_rank_0s_model_sent_across_regions_once(ddp_kwargs) -> None:
+@pytest.mark.parametrize("codec", ["none", "auto"])
+def test_every_rank_starts_from_rank_0s_model_sent_across_regions_once(ddp_kwargs, codec) -> None:
     """DDP's start-up sync through cloudtrain's groups (Topology.broadcast_from_rank0): rank 0's
-    parameters and buffers reach the other region's first rank (rank 1, alone in region a) over
-    cross0 and its own region's rank 2 inside region b; the deprecated broadcast_buffers=False
-    leaves buffers out, as DDP does."""
-    results = run_ranks(3, _start, "b,a,b", ddp_kwargs)
-    params = [p for p, _ in results]
+    parameters and buffers (float32, bfloat16, int64) reach the other region's first rank (rank
+    1, alone in region a) - over cross0, or with "auto" behind the start-up probe's messages on
+    the link it measures (Topology.probe's carry) - and its own region's rank 2 inside region
+    b; the deprecated broadcast_buffers=False leaves buffers out, as DDP does."""
+    results = run_ranks(3, _start, "b,a,b", ddp_kwargs, codec)
+    params = [p for p, _, _ in results]
     assert params[1] == params[0] and params[2] == params[0]
-    means = [m for _, m in results]
+    means = [m for _, m, _ in results]
+    counts = [n for _, _, n in results]
     if ddp_kwargs:
-        assert [m[0] for m in means] == [0.0, 1.0, 2.0]
+        assert [m[0] for m in means] == [0.0, 1.0, 2.0] and counts == [0, 1, 2]
     else:
-        assert means == [[0.0] * 16] * 3
+        assert means == [[0.0] * 16] * 3 and counts == [0] * 3
 
 
 def _groups_at_once(rank: int, world: int) -> tuple:
