@@ -64,6 +64,8 @@ def _identity(module: torch.nn.Module, config: CompressionConfig) -> dict[str, A
         "version": __version__,
         "config": config.fingerprint(),
         "model": _model_description(module),
+        # rank 0's cross at start-up (Topology.broadcast_from_rank0): every rank must hold alike
+        "buffers": [(name, tuple(b.shape), str(b.dtype)) for name, b in module.named_buffers()],
     }
 
 
@@ -100,7 +102,21 @@ def check_agreement(module: torch.nn.Module, config: CompressionConfig) -> list[
                     f"rank {rank}'s model differs from rank 0's: parameter {pb[0]!r} is {pb[1:]} "
                     f"(shape, dtype, requires_grad) on rank {rank} and {pa[0]!r} {pa[1:]} on rank 0"
                 )
+        if other["buffers"] != ref["buffers"]:
+            which = _first_difference(ref["buffers"], other["buffers"])
+            raise ConfigMismatch(
+                f"rank {rank}'s model's buffers differ from rank 0's: {which} (name, shape, "
+                "dtype); every rank starts from rank 0's buffers, so they must match"
+            )
     return [name for _, name in gathered]
+
+
+def _first_difference(ref: list[Any], other: list[Any]) -> str:
+    """The first entry where two ranks' (name, shape, dtype) lists differ, in words."""
+    for a, b in zip(ref, other, strict=False):
+        if a != b:
+            return f"{b} against {a} on rank 0"
+    return f"{len(other)} buffers against {len(ref)} on rank 0"
 
 
 def _region_group(topo: Topology) -> Any:

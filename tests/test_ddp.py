@@ -87,11 +87,12 @@ def _mismatch(rank, world, kind):
     cloudtrain.init()
     config = "topk-1pct" if kind != "config" or rank == 0 else "quant4"
     hidden = 48 if kind != "model" or rank == 0 else 40
+    model = make_model(hidden)
+    if kind == "buffers":
+        model.register_buffer("scale", torch.ones(3 if rank == 0 else 4))
     t0 = time.monotonic()
     try:
-        cloudtrain.CloudDDP(
-            make_model(hidden), CompressionConfig.resolve(config, regions="per-rank")
-        )
+        cloudtrain.CloudDDP(model, CompressionConfig.resolve(config, regions="per-rank"))
     except cloudtrain.ConfigMismatch as e:
         return str(e), time.monotonic() - t0
     return None, time.monotonic() - t0
@@ -102,6 +103,10 @@ def _mismatch(rank, world, kind):
     [
         ("config", "rank 1's CompressionConfig differs from rank 0's"),
         ("model", "rank 1's model differs from rank 0's: parameter '0.weight' is ((40, 20)"),
+        (
+            "buffers",
+            "rank 1's model's buffers differ from rank 0's: ('scale', (4,), 'torch.float32')",
+        ),
     ],
 )
 def test_mismatched_ranks_raise_within_seconds(kind, message):
