@@ -276,7 +276,6 @@ class CloudDDP(DistributedDataParallel):
         optimizer.register_step_post_hook(lambda *_: steps.after_step())
         return steps
 
-    @torch.no_grad()
     def _start_state(self, ddp_kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """What DDP's start-up sync (init_sync) makes rank 0's on every rank, here in
         cloudtrain's groups (Topology.broadcast_from_rank0): the parameters, and the buffers

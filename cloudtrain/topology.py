@@ -186,21 +186,26 @@ class Topology:
         return topo
 
     def probe(self, carry: Sequence[Any] = ()) -> LinkMatrix:
-        """Measure the links now (all ranks call), and keep the result (`measure`). `carry`:
-        tensors whose rank 0 values the probe takes across to the other regions' first ranks
-        on its way (`carried`); broadcast_from_rank0(carry, carried=True) then finishes inside
-        the regions."""
-        packed = _pack(carry) if self.carried(carry) else None
+        """Measure the links now (all ranks call), and keep the result (`measure`). `carry`
+        (where `carried` says so, else ()): tensors whose rank 0 values the probe takes across
+        to the other regions' first ranks on its way; broadcast_from_rank0(carry, carried=True)
+        then finishes inside the regions."""
+        packed = None
+        if (
+            carry
+        ):  # rank 0's bytes; elsewhere room for them (the other regions' first ranks receive them)
+            packed = (
+                _pack(carry) if self.rank == 0 else torch.empty(_nbytes(carry), dtype=torch.uint8)
+            )
         self.links = self.measure(self.group("control"), "links measured", carry=packed)
         if packed is not None and self.shard == 0 and self.rank != 0:
             _unpack(packed, carry)
         return self.links
 
     def carried(self, tensors: Sequence[Any]) -> bool:
-        """Whether `probe` takes `tensors` across (the same answer on every rank: several
-        regions, and no more than CARRY_MAX_BYTES, whose copy each rank holds meanwhile)."""
-        size = sum(t.numel() * t.element_size() for t in tensors)
-        return not self.single_region and 0 < size <= CARRY_MAX_BYTES
+        """Whether `probe` should take `tensors` across (the same answer on every rank: several
+        regions, and no more than CARRY_MAX_BYTES, whose room each rank holds meanwhile)."""
+        return not self.single_region and 0 < _nbytes(tensors) <= CARRY_MAX_BYTES
 
     def measure(self, group: Any, what: str, across: bool = False, **options: Any) -> LinkMatrix:
         """The links measured on `group` (all ranks call; `options` go to probe.probe): with the
@@ -317,6 +322,10 @@ message takes a fresh connection through TCP slow start - about 8 round trips fo
 the probe pays anyway - where the broadcast on its own connections would pay them again (at
 180 ms, 1.1-1.5 s for 4.5 MB); beyond this, every rank's packed copy costs more memory than the
 round trips are worth."""
+
+
+def _nbytes(tensors: Sequence[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _pack(tensors: Sequence[Any]) -> torch.Tensor:
