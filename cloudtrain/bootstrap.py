@@ -11,6 +11,11 @@ The backend is NCCL where CUDA is available (each rank on its local GPU), else g
 collective of the default group times out after `timeout_s` (CLOUDTRAIN_TIMEOUT, default 300 s)
 instead of torch's 30 minutes, so a dead peer is reported, not waited for.
 
+At exit, `init` gives torch's collective threads a moment with the GIL (`_drain_at_exit`): a
+thread that finished the last collective may still need the GIL to let go of its tensors, and
+one that asks after the interpreter has begun to finalize aborts the process ("terminate called
+without an active exception", SIGABRT) after the script has done all its work.
+
 `control_group()` is the gloo group over all ranks that cloudtrain's own small collectives
 (checkpoint agreement, the preemption vote) run in, with that same timeout whoever initialised the
 default group: a rank that never arrives is reported after CLOUDTRAIN_TIMEOUT, not torch's 30 min.
@@ -22,12 +27,14 @@ serves one at a time.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import itertools
 import math
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -230,10 +237,24 @@ def _set_device(local_rank: int, backend: str) -> None:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
+EXIT_DRAIN_S = 0.1
+
+
+def _drain_at_exit() -> None:
+    """Sleep briefly, without the GIL, before the interpreter finalizes. torch (2.13, gloo seen)
+    lets go of a finished collective's tensors on its own worker thread, which then takes the
+    GIL; a script that exits right after its last collective (a result all-reduced, then
+    destroy_process_group) can reach finalization first, and that thread's late GIL request
+    aborts the process. Measured with plain DDP over gloo, 2 ranks on 2 cores: 2-5 aborted exits
+    in 10 without this, none in 16 with it. Registered by `init`, whatever the launch."""
+    time.sleep(EXIT_DRAIN_S)
+
+
 def init(backend: str | None = None, timeout_s: float | None = None) -> None:
     """Initialise the default process group for this launch (see module docstring)."""
     if dist.is_initialized():
         return
+    atexit.register(_drain_at_exit)
     backend = _backend(backend)
     timeout = _timeout(timeout_s)
     env = os.environ
