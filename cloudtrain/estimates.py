@@ -88,13 +88,16 @@ def smoothed(new: float, old: float | None, weight: float) -> float:
 def region_links(matrix: Any, members: Sequence[Sequence[int]], shards: int) -> list[LinkEstimate]:
     """Each region's link as the probe measured it: its slowest link to another region, the
     bandwidth shared by the region's shard owners' parallel flows, and the fastest round trip
-    (noise only adds to a round trip). `matrix`: a cloudtrain.probe.LinkMatrix by rank."""
+    either way (noise only adds to a round trip, and a round trip out and back is one back and
+    out: the pings of the links in both directions time it). `matrix`: a
+    cloudtrain.probe.LinkMatrix by rank."""
     out = []
     for r, mine in enumerate(members):
         others = [j for q, m in enumerate(members) if q != r for j in m]
         pairs = [(i, j) for i in mine for j in others]
         bandwidth = min(matrix.beta[i][j] for i, j in pairs) / shards
-        rtt = min(min(matrix.alpha[i][j] for i, j in pairs), 60.0)
+        rtt = min(min(matrix.alpha[i][j], matrix.alpha[j][i]) for i, j in pairs)
+        rtt = min(rtt, 60.0)
         out.append(LinkEstimate(bandwidth_in_range(bandwidth), rtt))
     return out
 
