@@ -252,9 +252,10 @@ def _drain_at_exit() -> None:
 
 def init(backend: str | None = None, timeout_s: float | None = None) -> None:
     """Initialise the default process group for this launch (see module docstring)."""
+    atexit.unregister(_drain_at_exit)  # once, however often init runs
+    atexit.register(_drain_at_exit)  # also where the group was started by the script itself
     if dist.is_initialized():
         return
-    atexit.register(_drain_at_exit)
     backend = _backend(backend)
     timeout = _timeout(timeout_s)
     env = os.environ

@@ -445,13 +445,15 @@ class _Context:
         return min(self.gpus)  # shard owners per region (as CloudDDP's topology)
 
     def region_links(self) -> list[LinkEstimate]:
-        """Each region's slowest outgoing link, shared by its shard owners, as the controller
-        reads the probe (estimates.region_links)."""
+        """Each region's slowest outgoing link, shared by its shard owners, and the fastest
+        round trip of its links either way, as the controller reads the probe
+        (estimates.region_links)."""
         out = []
         for r in self.cluster.regions:
             outgoing = [lk for (a, _), lk in self.links.items() if a == r.name]
+            either = [lk for (a, b), lk in self.links.items() if r.name in (a, b)]
             slowest = min(outgoing, key=lambda lk: lk.mbit, default=Link(1e6, 0))
-            rtt = min(lk.rtt_ms for lk in outgoing) if outgoing else 0.0
+            rtt = min(lk.rtt_ms for lk in either) if either else 0.0
             out.append(LinkEstimate(slowest.mbit * 1e6 / 8 / self.shards, rtt / 1000))
         return out
 

@@ -52,9 +52,14 @@ def test_scripts_that_end_right_after_a_collective_exit_cleanly() -> None:
                     stderr=subprocess.PIPE,
                 )
             )
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert "RESULT 2.0" in out, err[-2000:]
-            if p.returncode != 0:
-                failures.append((p.returncode, err[-500:]))
+        try:
+            for p in procs:
+                out, err = p.communicate(timeout=120)
+                assert "RESULT 2.0" in out, err[-2000:]
+                if p.returncode != 0:
+                    failures.append((p.returncode, err[-500:]))
+        finally:
+            for p in procs:
+                p.kill()  # a launch that hung or failed leaves no process behind
+                p.wait()
     assert not failures, failures

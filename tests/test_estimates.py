@@ -154,6 +154,13 @@ def test_region_links_take_the_slowest_pair_and_share_it_among_the_owners():
     alpha = tuple(tuple(0.08 if (i < 2) != (j < 2) else 0.0 for j in range(4)) for i in range(4))
     links = region_links(LinkMatrix(alpha, beta), [[0, 1], [2, 3]], 2)
     assert [lk.bandwidth for lk in links] == [2e6, 1e6] and [lk.rtt for lk in links] == [0.08] * 2
+    # a round trip out and back is one back and out: the fastest ping either way sets both
+    late = tuple(
+        tuple(0.09 if (i < 2) and j >= 2 else a for j, a in enumerate(r))
+        for i, r in enumerate(alpha)
+    )
+    links = region_links(LinkMatrix(late, beta), [[0, 1], [2, 3]], 2)
+    assert [lk.rtt for lk in links] == [0.08] * 2
 
 
 def test_estimates_round_trip_through_their_state():
