@@ -190,10 +190,9 @@ class Topology:
         (where `carried` says so, else ()): tensors whose rank 0 values the probe takes across
         to the other regions' first ranks on its way; broadcast_from_rank0(carry, carried=True)
         then finishes inside the regions."""
+        # rank 0's bytes; elsewhere room for them (the other regions' first ranks receive them)
         packed = None
-        if (
-            carry
-        ):  # rank 0's bytes; elsewhere room for them (the other regions' first ranks receive them)
+        if carry:
             packed = (
                 _pack(carry) if self.rank == 0 else torch.empty(_nbytes(carry), dtype=torch.uint8)
             )
