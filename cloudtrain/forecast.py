@@ -37,6 +37,7 @@ from .costs import CostModel, LinkEstimate, plain_seconds, plan_levels
 from .guard import first_ceiling
 from .outer import choose_schedule, fragment_exchange_seconds
 from .plan import Codecs, Rung, ceil_div, describe
+from .replan import LinkBook, PairLink
 
 BUCKET_BYTES = 25 * 1024 * 1024
 """DDP's default bucket (bucket_cap_mb=25)."""
@@ -445,17 +446,16 @@ class _Context:
         return min(self.gpus)  # shard owners per region (as CloudDDP's topology)
 
     def region_links(self) -> list[LinkEstimate]:
-        """Each region's slowest outgoing link, shared by its shard owners, and the fastest
-        round trip of its links either way, as the controller reads the probe
-        (estimates.region_links)."""
-        out = []
-        for r in self.cluster.regions:
-            outgoing = [lk for (a, _), lk in self.links.items() if a == r.name]
-            either = [lk for (a, b), lk in self.links.items() if r.name in (a, b)]
-            slowest = min(outgoing, key=lambda lk: lk.mbit, default=Link(1e6, 0))
-            rtt = min(lk.rtt_ms for lk in either) if either else 0.0
-            out.append(LinkEstimate(slowest.mbit * 1e6 / 8 / self.shards, rtt / 1000))
-        return out
+        """Each region's link as the controller reads the probe (LinkBook.links, which calls
+        estimates.region_links): its slowest outgoing link, shared by its shard owners, and the
+        fastest round trip of its links either way."""
+        book = LinkBook(
+            {
+                pair: PairLink(lk.rtt_ms / 1000, lk.mbit * 1e6 / 8, 0.0)
+                for pair, lk in self.links.items()
+            }
+        )
+        return book.links([r.name for r in self.cluster.regions], self.shards)
 
     def intra_s(self, nbytes: float) -> float:
         """A dense ring all-reduce of `nbytes` inside a region."""
