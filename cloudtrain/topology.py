@@ -39,6 +39,7 @@ from .bootstrap import GroupsInMaking, control_group
 from .buffers import BROADCAST_BUCKET_BYTES
 from .config import CompressionConfig
 from .probe import LinkMatrix, cluster_regions, expand, probe, representative_pairs
+from .tcp import buffer_ceiling, window_limited
 
 log = logging.getLogger("cloudtrain")
 
@@ -199,7 +200,19 @@ class Topology:
         self.links = self.measure(self.group("control"), "links measured", carry=packed)
         if packed is not None and self.shard == 0 and self.rank != 0:
             _unpack(packed, carry)
+        if self.local_index == 0:  # one word per region, from a host of it
+            self._check_buffers(self.links)
         return self.links
+
+    def _check_buffers(self, links: LinkMatrix) -> None:
+        """Warn where this host's TCP buffers, not the links, set what the links measured."""
+        out = {
+            self.regions[b]: (links.mbit(self.rank, m[0]), links.alpha[self.rank][m[0]])
+            for b, m in enumerate(self.members)
+            if b != self.region
+        }
+        if message := window_limited(out, buffer_ceiling()):
+            log.warning("cloudtrain: region %s: %s", self.regions[self.region], message)
 
     def carried(self, tensors: Sequence[Any]) -> bool:
         """Whether `probe` should take `tensors` across (the same answer on every rank: several

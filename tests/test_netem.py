@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from support import EMULATOR_MACHINE
 
+from cloudtrain.tcp import WAN_TCP, window_mbit
 from cloudtrain.tools import netem
 from cloudtrain.tools.netem import (
     Emulator,
@@ -357,6 +358,30 @@ def test_delay_line_delays_by_the_configured_rtt_and_carries_the_rate(unique_nam
         assert 72 <= measured <= 88, (cross, back)
     assert inside["echo_ms"] < 5 and inside["connect_ms"] < 5, inside
     assert 60 <= mbit <= 110, mbit
+
+
+@needs_root
+def test_one_flow_is_held_back_by_the_link_not_by_its_window(unique_name):
+    """Every rank's namespace has the TCP settings the Terraform's hosts boot with
+    (cloudtrain.tcp.WAN_TCP), so one TCP flow through 400 Mbit/s at 100 ms (5 MB in flight)
+    carries more than 0.8x of 4 MiB a round trip, where a flow with the machine's usual 4 MiB
+    buffer carries 0.5-0.6x of it (the kernel's bookkeeping takes the rest). 341-342 Mbit/s in
+    4 s with them."""
+    with Emulator({"us": 1, "eu": 1}, 400, rtt_ms=100, name=unique_name()) as wan:
+        assert wan.emulation in DELAYED, wan.emulation_note
+        for rank in range(wan.world_size):
+            for key, value in WAN_TCP.items():
+                path = "/proc/sys/" + key.replace(".", "/")
+                seen = subprocess.run(
+                    ["ip", "netns", "exec", wan.namespace(rank), "cat", path],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+                assert seen.split() == value.split(), (rank, key, seen)
+        mbit = wan.measure_mbit(0, 1, seconds=4.0)
+    print(f"one flow: {mbit:.0f} Mbit/s; 4 MiB a round trip: {window_mbit(4 << 20, 0.1):.0f}")
+    assert 0.8 * window_mbit(4 << 20, 0.1) <= mbit <= 420, mbit
 
 
 @needs_root

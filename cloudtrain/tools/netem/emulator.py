@@ -34,6 +34,10 @@ share, spec.py), both directions. How the delay is applied, in order of preferen
 - neither (no netem, no /dev/net/tun): `emulation` says "rate only" and the note says the delay
   is NOT emulated — always read it before quoting results as latency-emulated.
 
+Hosts. Every rank namespace gets the TCP settings the Terraform's hosts boot with
+(cloudtrain.tcp.WAN_TCP: buffer ceilings under which one connection is held back by the link,
+not by its window, and BBR).
+
 Processes. `popen(rank, argv)` runs argv under `ip netns exec` and sets GLOO_SOCKET_IFNAME,
 NCCL_SOCKET_IFNAME, TP_SOCKET_IFNAME and HOROVOD_GLOO_IFACE to eth0 (gloo otherwise resolves the
 hostname, which names no address inside a namespace), MASTER_ADDR to rank 0's address and
@@ -55,6 +59,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ...tcp import WAN_TCP
 from .cleanup import (
     TeardownAtExit,
     _state_path,
@@ -72,7 +77,15 @@ from .delayline import (
     start_relay,
     wait_ready,
 )
-from .host import EmulatorError, _batch, _has_netem, _run, available, delay_line_available
+from .host import (
+    EmulatorError,
+    _batch,
+    _has_netem,
+    _run,
+    _sysctl,
+    available,
+    delay_line_available,
+)
 from .spec import (
     DEFAULT_NAME,
     DELAY_LINE,
@@ -281,6 +294,7 @@ class Emulator:
         for rank in range(self.world_size):
             address = [f"addr add {self.address(rank)}/16 dev {RANK_IFNAME}"]
             _batch("ip", self.namespace(rank), [*address, f"link set {RANK_IFNAME} up"])
+            _sysctl(self.namespace(rank), WAN_TCP)  # as the Terraform's hosts boot
 
     def _start_relays(self) -> None:
         for g, region in enumerate(self.spec.regions):

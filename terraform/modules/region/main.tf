@@ -5,6 +5,7 @@
 # only from operator_cidrs, the hosts (one aws_instance each, from a launch template: Deep
 # Learning AMI found by SSM parameter, spot by instance_market_options, IMDSv2 required), and an
 # encrypted, versioned, private S3 bucket for checkpoints that only this region's hosts may use.
+# The hosts boot with TCP settings for the links between regions (local.host_tcp).
 # Peering to the other regions is modules/mesh's job; it adds routes to route_table_id.
 #
 # One AWS provider serves every region (provider 6): each regional resource sets `region`.
@@ -27,6 +28,22 @@ locals {
   # Outbound to the internet only for what hosts fetch there (packages, AWS APIs); everything
   # else only to the cluster.
   web_egress_ports = { http = 80, https = 443 }
+
+  # TCP for the links between regions: buffer ceilings that fit their bandwidth-delay product
+  # (1 Gbit/s at 180 ms is 22.5 MB; with Linux's usual 4 MiB one connection carries ~250 Mbit/s
+  # at 80 ms whatever the link), and BBR, which cloudtrain's measurements ran with. The same
+  # values as cloudtrain.tcp.WAN_TCP (tests/test_terraform.py compares them); the hosts set
+  # them at boot (user_data).
+  host_tcp = {
+    "net.ipv4.tcp_rmem"               = "4096 131072 67108864"
+    "net.ipv4.tcp_wmem"               = "4096 16384 67108864"
+    "net.ipv4.tcp_congestion_control" = "bbr"
+  }
+  user_data = join("\n", concat(
+    ["#!/bin/sh", "cat > /etc/sysctl.d/60-cloudtrain-tcp.conf <<'EOF'"],
+    [for key, value in local.host_tcp : "${key} = ${value}"],
+    ["EOF", "sysctl --system", ""],
+  ))
 }
 
 ################################################################################
@@ -411,6 +428,7 @@ resource "aws_launch_template" "host" {
   key_name               = one(aws_key_pair.operator[*].key_name)
   ebs_optimized          = "true"
   update_default_version = true
+  user_data              = base64encode(local.user_data)
 
   iam_instance_profile {
     arn = aws_iam_instance_profile.host.arn
