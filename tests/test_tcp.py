@@ -88,30 +88,42 @@ dist.destroy_process_group()
 """
 
 
+PROBE_COMMAND = "import runpy; runpy.run_module('cloudtrain.tools.probe', run_name='__main__')"
+
+
 @pytest.mark.skipif(not EMULATOR_MACHINE, reason="the WAN emulator needs root and iproute2")
 @pytest.mark.timeout(240)
 def test_start_up_names_the_host_whose_buffers_hold_its_link_back() -> None:
-    """400 Mbit/s at 100 ms: region us's host keeps the usual 4 MiB send buffer (an untuned
-    host), eu's has WAN_TCP's (the emulator's, as the Terraform's hosts boot). The start-up
-    probe's warning comes from us, names its link to eu and the fix; eu says nothing."""
+    """400 Mbit/s at 100 ms: region us's hosts keep the usual 4 MiB send buffer (untuned
+    hosts), eu's have WAN_TCP's (the emulator's, as the Terraform's hosts boot). The start-up
+    probe's warning, and `cloudtrain probe`'s, come from us, name its link to eu and the fix;
+    eu says nothing."""
     from cloudtrain.tools.netem import Emulator, teardown
 
     name = f"tcp{os.getpid() % 10000}-{uuid.uuid4().hex[:4]}"
     try:
-        with Emulator({"us": 1, "eu": 1}, 400, rtt_ms=100, name=name) as wan:
-            us = wan.ranks("us")[0]
+        # two ranks a region: `cloudtrain probe` finds regions by the links' gap
+        with Emulator({"us": 2, "eu": 2}, 400, rtt_ms=100, name=name) as wan:
             untuned = "net.ipv4.tcp_wmem=4096 16384 4194304"
-            subprocess.run(
-                ["ip", "netns", "exec", wan.namespace(us), "sysctl", "-q", "-w", untuned],
-                check=True,
-            )
-            procs = spawn_in_regions(wan, START_UP, 29541, stderr=subprocess.PIPE)
-            outs = [p.communicate(timeout=180) for p in procs]
-            assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+            for rank in wan.ranks("us"):
+                subprocess.run(
+                    ["ip", "netns", "exec", wan.namespace(rank), "sysctl", "-q", "-w", untuned],
+                    check=True,
+                )
+            said = {}
+            for what, script in (("start-up", START_UP), ("cloudtrain probe", PROBE_COMMAND)):
+                procs = spawn_in_regions(wan, script, 29541, stderr=subprocess.PIPE)
+                outs = [p.communicate(timeout=180) for p in procs]
+                assert [p.returncode for p in procs] == [0] * 4, [o[1][-2000:] for o in outs]
+                said[what] = {region: outs[wan.ranks(region)[0]][1] for region in ("us", "eu")}
     finally:
         teardown(name)
-    said = {region: outs[wan.ranks(region)[0]][1] for region in ("us", "eu")}
-    print(said["us"])
-    assert "region us: this host's TCP buffers (at most 4 MiB" in said["us"]
-    assert "to eu " in said["us"] and "net.ipv4.tcp_wmem='4096 16384 67108864'" in said["us"]
-    assert "TCP buffers" not in said["eu"]
+    start_up, command = said["start-up"], said["cloudtrain probe"]
+    print(start_up["us"], command["us"])
+    assert "region us: this host's TCP buffers (at most 4 MiB" in start_up["us"]
+    assert "to eu " in start_up["us"]
+    assert "net.ipv4.tcp_wmem='4096 16384 67108864'" in start_up["us"]
+    us, eu = wan.ranks("us")[0], wan.ranks("eu")[0]
+    assert f"rank {us}: this host's TCP buffers (at most 4 MiB" in command["us"]
+    assert f"to rank {eu} " in command["us"]
+    assert "TCP buffers" not in start_up["eu"] + command["eu"]

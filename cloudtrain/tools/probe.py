@@ -4,7 +4,8 @@
     cloudtrain probe --netem NAME             # on every rank of a `cloudtrain netem` emulator
 
 With --netem the output also says what the emulator applies (rates, RTT between regions, how),
-so the measured latency can be read against the emulated round-trip time.
+so the measured latency can be read against the emulated round-trip time. A rank whose host's TCP
+buffers may hold its links to the other regions back says so on standard error (cloudtrain.tcp).
 
 The measurement itself is cloudtrain.probe (core); this module is only the command.
 """
@@ -21,6 +22,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..probe import cluster_regions, probe
+from ..tcp import buffer_ceiling, window_limited
 
 
 def _run_probe(as_json: bool) -> int:
@@ -30,6 +32,14 @@ def _run_probe(as_json: bool) -> int:
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
     links = probe(group)
     regions = cluster_regions(links)
+    me = dist.get_rank()
+    across = {
+        f"rank {j}": (links.mbit(me, j), links.alpha[me][j])
+        for j in range(links.world_size)
+        if regions[j] != regions[me]
+    }
+    if held := window_limited(across, buffer_ceiling()):  # each host of its own
+        print(f"cloudtrain probe: rank {me}: {held}", file=sys.stderr, flush=True)
     if dist.get_rank() == 0:
         if as_json:
             print(
