@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -176,6 +177,14 @@ class Link:
 
     mbit: float
     rtt_ms: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.mbit) and self.mbit > 0):
+            raise ValueError(f"a link of {self.mbit!r} Mbit/s: give its rate, above 0")
+        if not (math.isfinite(self.rtt_ms) and 0 <= self.rtt_ms <= 60_000):
+            raise ValueError(
+                f"a link with a {self.rtt_ms!r} ms round trip: give it in milliseconds, 0 to 60000"
+            )
 
 
 @dataclass(frozen=True)

@@ -7,19 +7,20 @@ one connection to about 250 Mbit/s at 80 ms and 100 Mbit/s at 180 ms, whatever t
 emulated 1000 Mbit/s link at 80 ms one flow carried 239 Mbit/s with it and 853-892 Mbit/s with
 WAN_TCP's buffers (200 Mbit/s at 180 ms: 89 against 162-168), flows of 4-6 s.
 
-WAN_TCP holds buffer ceilings that fit the links cloudtrain is for (up to 1 Gbit/s at 180 ms and
-more) and BBR congestion control (which every measurement in docs/measurements.md ran with; most
-distributions start with CUBIC, which halves its window at each loss). The Terraform's hosts get
+WAN_TCP holds buffer ceilings with room for 1 Gbit/s at 180 ms and BBR congestion control (the
+default of the kernel docs/measurements.md was measured on; most distributions start with CUBIC,
+which halves its window at each loss). The Terraform's hosts get
 them at boot (terraform/modules/region/main.tf, `host_tcp`), and so does every rank of the
 emulated network (cloudtrain.tools.netem). A host without the buffers is told so at start-up:
-`window_limited` names the links whose measured rate is what this host's buffers allow, and how
+`buffer_warning` names the links whose measured rate is what this host's buffers allow, and how
 to raise them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 WAN_TCP = {
     "net.ipv4.tcp_rmem": "4096 131072 67108864",
@@ -35,18 +36,22 @@ BUFFERS = ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem")
 
 NEAR = 0.5
 """A link measured at this share of `window_mbit` or more is taken as held back by the buffers.
-A connection they hold back carries 0.5-0.6 of it (the emulated links above), and the probe, which
-takes a round trip off each message's time, reads up to 0.86 of it (400 Mbit/s at 100 ms with
-4 MiB: 286 Mbit/s); a 200 Mbit/s link at 80 ms, which 4 MiB does not hold back, reads 0.44-0.48."""
+A connection they hold back carries 0.5-0.6 of it (the emulated links above), and the start-up
+probe, which takes a round trip off each message's time, read more with Linux's usual buffers
+(4 MiB send, 6 MiB receive): 0.67-0.86 through 400 Mbit/s at 100 ms, 0.8-1.1 through 1000 Mbit/s
+at 180 ms; a 200 Mbit/s link at 80 ms, which they do not hold back, read 0.37-0.44."""
 
 
-def buffer_ceiling(proc: Path = Path("/proc/sys/net/ipv4")) -> int | None:
-    """The smaller of this host's TCP send and receive buffer ceilings (the third figure of
-    tcp_wmem and tcp_rmem), in bytes; None where they cannot be read (not Linux)."""
+def buffer_ceilings(proc: Path = Path("/proc/sys/net/ipv4")) -> tuple[int, int] | None:
+    """This host's TCP (send, receive) buffer ceilings in bytes: the third figures of tcp_wmem
+    and tcp_rmem; None where they cannot be read (not Linux)."""
     try:
-        return min(int((proc / name).read_text().split()[2]) for name in ("tcp_wmem", "tcp_rmem"))
+        send, receive = (
+            int((proc / name).read_text().split()[2]) for name in ("tcp_wmem", "tcp_rmem")
+        )
     except (OSError, IndexError, ValueError):
         return None
+    return send, receive
 
 
 def window_mbit(buffer_bytes: int, rtt_s: float) -> float:
@@ -55,27 +60,38 @@ def window_mbit(buffer_bytes: int, rtt_s: float) -> float:
     return buffer_bytes * 8 / max(rtt_s, 1e-6) / 1e6
 
 
-def window_limited(links: Mapping[str, tuple[float, float]], buffer_bytes: int | None) -> str:
-    """A message that names the links this host's buffers may hold back and how to raise
-    them; "" where they hold back none. `links`: region -> (measured Mbit/s of one connection
-    to it, round trip seconds)."""
-    if buffer_bytes is None:
+def buffer_warning(
+    links: Any,
+    me: int,
+    measured: Iterable[tuple[int, int]],
+    name: Callable[[int], str],
+    ceilings: tuple[int, int] | None,
+) -> str:
+    """A message naming the links rank `me` measured (`measured`: (sender, receiver) pairs;
+    `links`: a cloudtrain.probe.LinkMatrix) whose rate is near what this host's buffers allow
+    over their round trip - its send ceiling where it sent, its receive ceiling where it
+    received (`ceilings`, buffer_ceilings()) - and how to raise them; "" where there is none.
+    `name(rank)` names the other end ("to eu", "from eu"; of two pairs so named, the faster)."""
+    if ceilings is None:
         return ""
-    held = {
-        region: (mbit, rtt, window_mbit(buffer_bytes, rtt))
-        for region, (mbit, rtt) in links.items()
-        if mbit >= NEAR * window_mbit(buffer_bytes, rtt)
-    }
+    mine: dict[str, tuple[float, float, int]] = {}
+    for i, j in measured:
+        if me in (i, j):
+            label = f"to {name(j)}" if i == me else f"from {name(i)}"
+            if label not in mine or links.mbit(i, j) > mine[label][0]:
+                mine[label] = (links.mbit(i, j), links.alpha[i][j], ceilings[i != me])
+    held = [
+        f"{label} {mbit:.0f} Mbit/s at {1000 * rtt:.0f} ms ({buffer / 2**20:g} MiB a round "
+        f"trip: {window_mbit(buffer, rtt):.0f} Mbit/s)"
+        for label, (mbit, rtt, buffer) in mine.items()
+        if mbit >= NEAR * window_mbit(buffer, rtt)
+    ]
     if not held:
         return ""
-    seen = ", ".join(
-        f"to {region} {mbit:.0f} Mbit/s at {1000 * rtt:.0f} ms (the buffer a round trip: "
-        f"{cap:.0f} Mbit/s)"
-        for region, (mbit, rtt, cap) in sorted(held.items())
-    )
     settings = " ".join(f"{k}='{WAN_TCP[k]}'" for k in BUFFERS)
     return (
-        f"this host's TCP buffers (at most {buffer_bytes / 2**20:.0f} MiB: net.ipv4.tcp_wmem, "
-        f"tcp_rmem), not the links, may set what its links carry: {seen}. Raise them on every "
-        f"host: sysctl -w {settings} (the Terraform's hosts boot with these)"
+        "this host's TCP buffers (net.ipv4.tcp_wmem for what it sends, tcp_rmem for what it "
+        f"receives), not the links, may set what its links carry: {', '.join(held)}. Raise them "
+        f"on every host: sudo sysctl -w {settings}, and the same in /etc/sysctl.d/ to keep them "
+        "(the Terraform's hosts boot with these)"
     )

@@ -39,7 +39,7 @@ from .bootstrap import GroupsInMaking, control_group
 from .buffers import BROADCAST_BUCKET_BYTES
 from .config import CompressionConfig
 from .probe import LinkMatrix, cluster_regions, expand, probe, representative_pairs
-from .tcp import buffer_ceiling, window_limited
+from .tcp import buffer_ceilings, buffer_warning
 
 log = logging.getLogger("cloudtrain")
 
@@ -180,6 +180,10 @@ class Topology:
             links = probe(control)
             names = [f"{AUTO_REGION}{label}" for label in cluster_regions(links)]
         topo = cls(rank, world, tuple(names), links=links)
+        if links is not None:
+            topo.check_buffers(
+                links, [(i, j) for i in range(world) for j in range(world) if i != j]
+            )
         topo.groups["control"] = control
         topo._making = topo._start_groups(timeout)
         if wait:
@@ -200,19 +204,21 @@ class Topology:
         self.links = self.measure(self.group("control"), "links measured", carry=packed)
         if packed is not None and self.shard == 0 and self.rank != 0:
             _unpack(packed, carry)
-        if self.local_index == 0:  # one word per region, from a host of it
-            self._check_buffers(self.links)
+        self.check_buffers(self.links, representative_pairs(self.members))
         return self.links
 
-    def _check_buffers(self, links: LinkMatrix) -> None:
-        """Warn where this host's TCP buffers, not the links, set what the links measured."""
-        out = {
-            self.regions[b]: (links.mbit(self.rank, m[0]), links.alpha[self.rank][m[0]])
-            for b, m in enumerate(self.members)
-            if b != self.region
-        }
-        if message := window_limited(out, buffer_ceiling()):
-            log.warning("cloudtrain: region %s: %s", self.regions[self.region], message)
+    def check_buffers(self, links: LinkMatrix, measured: Sequence[tuple[int, int]]) -> None:
+        """Warn where this host's TCP buffers, not the links, may set what the links this rank
+        measured across regions carry (`measured`: the probe's pairs; the others are copies of
+        them): every host of its own, whichever of its ranks measured."""
+        across = [(i, j) for i, j in measured if self.rank_regions[i] != self.rank_regions[j]]
+        message = buffer_warning(
+            links, self.rank, across, self.rank_regions.__getitem__, buffer_ceilings()
+        )
+        if message:
+            log.warning(
+                "cloudtrain: rank %d (%s): %s", self.rank, self.rank_regions[self.rank], message
+            )
 
     def carried(self, tensors: Sequence[Any]) -> bool:
         """Whether `probe` should take `tensors` across (the same answer on every rank: several

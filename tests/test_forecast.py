@@ -110,6 +110,16 @@ def test_bad_inputs_name_what_to_add(cluster, links, workload, message):
         Workload(1e6)
 
 
+def test_a_link_without_a_rate_or_with_a_round_trip_out_of_range_is_refused():
+    for mbit in (0, -5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="give its rate, above 0"):
+            Link(mbit, 80)
+    for rtt_ms in (-1, 80_000, float("nan")):
+        with pytest.raises(ValueError, match="give it in milliseconds, 0 to 60000"):
+            Link(1000, rtt_ms)
+    assert Link(0.5, 0) == Link(0.5, 0.0) and Link(1000, 60_000).rtt_ms == 60_000
+
+
 def test_a_price_file_overrides_and_a_malformed_one_is_refused(tmp_path):
     good = tmp_path / "prices.json"
     good.write_text(

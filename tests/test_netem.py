@@ -34,6 +34,7 @@ from cloudtrain.tools.netem import (
     parse_regions,
     teardown,
 )
+from cloudtrain.tools.netem.host import _sysctl
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -379,6 +380,13 @@ def test_one_flow_is_held_back_by_the_link_not_by_its_window(unique_name):
                     check=True,
                 ).stdout
                 assert seen.split() == value.split(), (rank, key, seen)
+        assert "TCP settings the ranks lack" not in wan.emulation_note
+        # a setting the kernel refuses is reported, not passed over
+        refused = _sysctl(wan.namespace(0), {"net.ipv4.tcp_congestion_control": "no-such-cc"})
+        assert refused == [
+            "net.ipv4.tcp_congestion_control: asked 'no-such-cc', has "
+            f"{WAN_TCP['net.ipv4.tcp_congestion_control']!r}"
+        ]
         mbit = wan.measure_mbit(0, 1, seconds=4.0)
     print(f"one flow: {mbit:.0f} Mbit/s; 4 MiB a round trip: {window_mbit(4 << 20, 0.1):.0f}")
     assert 0.8 * window_mbit(4 << 20, 0.1) <= mbit <= 420, mbit

@@ -12,9 +12,11 @@ import pytest
 from distributed import spawn_in_regions
 from support import EMULATOR_MACHINE
 
-from cloudtrain.tcp import BUFFERS, NEAR, WAN_TCP, buffer_ceiling, window_limited, window_mbit
+from cloudtrain.probe import LinkMatrix
+from cloudtrain.tcp import BUFFERS, NEAR, WAN_TCP, buffer_ceilings, buffer_warning, window_mbit
 
 USUAL = 4 << 20  # Linux's usual tcp_wmem ceiling
+BIG = int(WAN_TCP["net.ipv4.tcp_wmem"].split()[2])
 
 
 def write_proc(root: Path, wmem: str, rmem: str) -> Path:
@@ -23,20 +25,17 @@ def write_proc(root: Path, wmem: str, rmem: str) -> Path:
     return root
 
 
-def test_buffer_ceiling_is_the_smaller_of_send_and_receive(tmp_path: Path) -> None:
-    assert buffer_ceiling(write_proc(tmp_path, "4096\t16384\t4194304", "4096 131072 6291456")) == (
-        4194304
-    )
-    assert buffer_ceiling(write_proc(tmp_path, "4096 16384 67108864", "4096 87380 6291456")) == (
-        6291456
-    )
-    assert buffer_ceiling(tmp_path / "nothing-here") is None
-    assert buffer_ceiling(write_proc(tmp_path, "garbage", "4096 1 2")) is None
+def test_buffer_ceilings_are_the_send_and_receive_maxima(tmp_path: Path) -> None:
+    proc = write_proc(tmp_path, "4096\t16384\t4194304", "4096 131072 6291456")
+    assert buffer_ceilings(proc) == (4194304, 6291456)
+    assert buffer_ceilings(tmp_path / "nothing-here") is None
+    assert buffer_ceilings(write_proc(tmp_path, "garbage", "4096 1 2")) is None
 
 
-def test_this_host_reads_a_ceiling() -> None:
-    ceiling = buffer_ceiling()
-    assert ceiling is not None and ceiling >= 4096
+@pytest.mark.skipif(not Path("/proc/sys/net/ipv4/tcp_wmem").exists(), reason="not Linux")
+def test_this_host_reads_its_ceilings() -> None:
+    ceilings = buffer_ceilings()
+    assert ceilings is not None and min(ceilings) >= 4096
 
 
 def test_window_rate_follows_buffer_over_round_trip() -> None:
@@ -47,29 +46,51 @@ def test_window_rate_follows_buffer_over_round_trip() -> None:
     assert window_mbit(USUAL, 0.0) > 1e6  # no round trip: no window limit worth the name
 
 
-def test_warns_only_about_links_that_read_what_the_buffers_allow() -> None:
-    links = {
-        "eu": (239.0, 0.08),  # 1000 Mbit/s link, window-limited
-        "asia": (45.0, 0.18),  # 50 Mbit/s link: far under the 186 of 4 MiB a round trip
-        "ap": (190.0, 0.08),  # 200 Mbit/s link at 80 ms, which 4 MiB does not hold back
-        "near": (950.0, 0.0001),  # in the same data centre
-    }
-    message = window_limited(links, USUAL)
-    assert "to eu 239 Mbit/s at 80 ms (the buffer a round trip: 419 Mbit/s)" in message
-    assert "asia" not in message and "near" not in message and "ap" not in message
-    assert "at most 4 MiB" in message
+def test_the_docs_give_hosts_of_their_own_the_same_settings() -> None:
+    cloud = (Path(__file__).resolve().parents[1] / "docs" / "cloud.md").read_text()
+    for key, value in WAN_TCP.items():
+        assert f"\n{key} = {value}\n" in cloud, key
+
+
+def matrix(mbit: dict[tuple[int, int], float], rtt: float) -> LinkMatrix:
+    """A probe's matrix of 4 ranks (us: 0, 1; eu: 2, 3) with the given pairs' rates."""
+    beta = tuple(tuple(mbit.get((i, j), 1.0) * 1e6 / 8 for j in range(4)) for i in range(4))
+    alpha = tuple(tuple(0.0 if i // 2 == j // 2 else rtt for j in range(4)) for i in range(4))
+    return LinkMatrix(alpha, beta)
+
+
+REGION = ("us", "us", "eu", "eu")
+
+
+def test_warns_of_what_this_rank_measured_near_its_own_buffers() -> None:
+    """Probe readings with 4 MiB at 100 ms: 221-286 Mbit/s (the emulated test below)."""
+    links = matrix({(0, 2): 283.0, (3, 1): 395.0}, 0.1)
+    pairs = [(0, 2), (3, 1)]  # what a probe of us and eu measures across (the rest are copies)
+    sending = buffer_warning(links, 0, pairs, REGION.__getitem__, (USUAL, BIG))
+    assert "to eu 283 Mbit/s at 100 ms (4 MiB a round trip: 336 Mbit/s)" in sending
     for key in BUFFERS:
-        assert f"{key}='{WAN_TCP[key]}'" in message  # what to run, word for word
-    assert "congestion" not in message
-    assert window_limited({"asia": links["asia"], "near": links["near"]}, USUAL) == ""
-    # just under NEAR of the window rate: not held back
-    assert window_limited({"eu": (NEAR * window_mbit(USUAL, 0.08) - 1, 0.08)}, USUAL) == ""
+        assert f"{key}='{WAN_TCP[key]}'" in sending  # what to run, word for word
+    assert "sudo sysctl -w" in sending and "/etc/sysctl.d/" in sending
+    assert "congestion" not in sending
+    # rank 1 received at 395 Mbit/s: its receive buffer is what bounds that, and it is large
+    assert buffer_warning(links, 1, pairs, REGION.__getitem__, (USUAL, BIG)) == ""
+    # with a 4 MiB receive ceiling too, rank 1 is named, as a receiver
+    receiving = buffer_warning(links, 1, pairs, REGION.__getitem__, (USUAL, USUAL))
+    assert "from eu 395 Mbit/s at 100 ms (4 MiB a round trip: 336 Mbit/s)" in receiving
+    # ranks that measured nothing, and hosts with WAN_TCP's buffers or none to read, say nothing
+    assert buffer_warning(links, 2, [], REGION.__getitem__, (USUAL, USUAL)) == ""
+    assert buffer_warning(links, 0, pairs, REGION.__getitem__, (BIG, BIG)) == ""
+    assert buffer_warning(links, 0, pairs, REGION.__getitem__, None) == ""
 
 
-def test_no_warning_with_the_wan_buffers_or_without_a_reading() -> None:
-    big = int(WAN_TCP["net.ipv4.tcp_wmem"].split()[2])
-    assert window_limited({"eu": (239.0, 0.08), "ap": (950.0, 0.18)}, big) == ""
-    assert window_limited({"eu": (239.0, 0.08)}, None) == ""
+def test_links_the_buffers_do_not_hold_back_are_not_named() -> None:
+    at_80 = matrix({(0, 2): 185.0}, 0.08)  # the probe read 156-185 through 200 Mbit/s, 80 ms
+    assert buffer_warning(at_80, 0, [(0, 2)], REGION.__getitem__, (USUAL, USUAL)) == ""
+    near = NEAR * window_mbit(USUAL, 0.08)
+    just = matrix({(0, 2): near + 0.5}, 0.08)
+    assert "to eu" in buffer_warning(just, 0, [(0, 2)], REGION.__getitem__, (USUAL, USUAL))
+    slow = matrix({(0, 2): 45.0}, 0.18)  # 50 Mbit/s at 180 ms: 1.1 MB in flight
+    assert buffer_warning(slow, 0, [(0, 2)], REGION.__getitem__, (USUAL, USUAL)) == ""
 
 
 START_UP = """
@@ -81,8 +102,9 @@ from cloudtrain.config import CompressionConfig
 from cloudtrain.topology import Topology
 logging.basicConfig(stream=sys.stderr, format="%(message)s")
 cloudtrain.init()
-topo = Topology.discover(CompressionConfig(), timedelta(seconds=60))
-topo.probe()
+topo = Topology.discover(CompressionConfig(regions=sys.argv[1]), timedelta(seconds=60))
+if topo.links is None:  # regions given: CloudDDP's start-up probe (found: measured already)
+    topo.probe()
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -96,8 +118,8 @@ PROBE_COMMAND = "import runpy; runpy.run_module('cloudtrain.tools.probe', run_na
 def test_start_up_names_the_host_whose_buffers_hold_its_link_back() -> None:
     """400 Mbit/s at 100 ms: region us's hosts keep the usual 4 MiB send buffer (untuned
     hosts), eu's have WAN_TCP's (the emulator's, as the Terraform's hosts boot). The start-up
-    probe's warning, and `cloudtrain probe`'s, come from us, name its link to eu and the fix;
-    eu says nothing."""
+    probe's warning (regions given, or found by the probe), and `cloudtrain probe`'s, come from
+    us, name its link to eu and the fix; eu says nothing."""
     from cloudtrain.tools.netem import Emulator, teardown
 
     name = f"tcp{os.getpid() % 10000}-{uuid.uuid4().hex[:4]}"
@@ -111,7 +133,11 @@ def test_start_up_names_the_host_whose_buffers_hold_its_link_back() -> None:
                     check=True,
                 )
             said = {}
-            for what, script in (("start-up", START_UP), ("cloudtrain probe", PROBE_COMMAND)):
+            for what, script in (
+                ("start-up", START_UP.replace("sys.argv[1]", "'env'")),
+                ("regions found", START_UP.replace("sys.argv[1]", "'probe'")),
+                ("cloudtrain probe", PROBE_COMMAND),
+            ):
                 procs = spawn_in_regions(wan, script, 29541, stderr=subprocess.PIPE)
                 outs = [p.communicate(timeout=180) for p in procs]
                 assert [p.returncode for p in procs] == [0] * 4, [o[1][-2000:] for o in outs]
@@ -120,10 +146,14 @@ def test_start_up_names_the_host_whose_buffers_hold_its_link_back() -> None:
         teardown(name)
     start_up, command = said["start-up"], said["cloudtrain probe"]
     print(start_up["us"], command["us"])
-    assert "region us: this host's TCP buffers (at most 4 MiB" in start_up["us"]
-    assert "to eu " in start_up["us"]
-    assert "net.ipv4.tcp_wmem='4096 16384 67108864'" in start_up["us"]
+    # rank 0 sends us's link to eu in the start-up probe (eu's last rank sends the other way)
     us, eu = wan.ranks("us")[0], wan.ranks("eu")[0]
-    assert f"rank {us}: this host's TCP buffers (at most 4 MiB" in command["us"]
+    assert f"rank {us} (us): this host's TCP buffers" in start_up["us"]
+    assert "to eu " in start_up["us"] and "(4 MiB a round trip" in start_up["us"]
+    assert "net.ipv4.tcp_wmem='4096 16384 67108864'" in start_up["us"]
+    # regions found by the links: every pair measured, so each us rank names its own links
+    found = said["regions found"]
+    assert f"rank {us} (measured" in found["us"] and "to measured" in found["us"], found["us"]
+    assert f"rank {us}: this host's TCP buffers" in command["us"]
     assert f"to rank {eu} " in command["us"]
-    assert "TCP buffers" not in start_up["eu"] + command["eu"]
+    assert "TCP buffers" not in start_up["eu"] + found["eu"] + command["eu"]

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..probe import cluster_regions, probe
-from ..tcp import buffer_ceiling, window_limited
+from ..tcp import buffer_ceilings, buffer_warning
 
 
 def _run_probe(as_json: bool) -> int:
@@ -32,13 +32,12 @@ def _run_probe(as_json: bool) -> int:
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
     links = probe(group)
     regions = cluster_regions(links)
+    # every rank of its own host: what it sent to and received from the other regions
     me = dist.get_rank()
-    across = {
-        f"rank {j}": (links.mbit(me, j), links.alpha[me][j])
-        for j in range(links.world_size)
-        if regions[j] != regions[me]
-    }
-    if held := window_limited(across, buffer_ceiling()):  # each host of its own
+    across = [(i, j) for i in range(links.world_size) for j in range(links.world_size)
+              if regions[i] != regions[j]]  # fmt: skip
+    held = buffer_warning(links, me, across, lambda r: f"rank {r}", buffer_ceilings())
+    if held:
         print(f"cloudtrain probe: rank {me}: {held}", file=sys.stderr, flush=True)
     if dist.get_rank() == 0:
         if as_json:

@@ -37,11 +37,20 @@ def _batch(tool: str, ns: str | None, lines: Sequence[str]) -> None:
         _run([tool, *(["-n", ns] if ns else []), "-batch", "-"], input="\n".join(lines) + "\n")
 
 
-def _sysctl(ns: str, settings: Mapping[str, str]) -> None:
-    # /proc/sys/net is per namespace: this changes only `ns`, never the host.
-    if shutil.which("sysctl"):
-        args = [f"{k}={v}" for k, v in settings.items()]
-        _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", *args], check=False)
+def _sysctl(ns: str, settings: Mapping[str, str]) -> list[str]:
+    """Set `settings` inside netns `ns` (/proc/sys/net is per namespace: never the host's), as
+    far as its kernel takes them; the keys that do not read back as asked ("key: why")."""
+    if not shutil.which("sysctl"):
+        return [f"{key}: no `sysctl` here (install procps)" for key in settings]
+    args = [f"{k}={v}" for k, v in settings.items()]
+    _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", *args], check=False)
+    lines = _run(["ip", "netns", "exec", ns, "sysctl", *settings], check=False).splitlines()
+    seen = dict(line.partition(" = ")[::2] for line in lines)  # "key = value" per line
+    return [
+        f"{key}: asked {value!r}, has {seen.get(key, 'nothing')!r}"
+        for key, value in settings.items()
+        if seen.get(key, "").split() != value.split()
+    ]
 
 
 _AVAILABLE: tuple[bool, str] | None = None

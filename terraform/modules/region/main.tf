@@ -33,14 +33,14 @@ locals {
   # (1 Gbit/s at 180 ms is 22.5 MB; with Linux's usual 4 MiB one connection carries ~250 Mbit/s
   # at 80 ms whatever the link), and BBR, which cloudtrain's measurements ran with. The same
   # values as cloudtrain.tcp.WAN_TCP (tests/test_terraform.py compares them); the hosts set
-  # them at boot (user_data).
+  # them at boot (user_data), in a file named to sort after the image's own sysctl.d files.
   host_tcp = {
     "net.ipv4.tcp_rmem"               = "4096 131072 67108864"
     "net.ipv4.tcp_wmem"               = "4096 16384 67108864"
     "net.ipv4.tcp_congestion_control" = "bbr"
   }
   user_data = join("\n", concat(
-    ["#!/bin/sh", "cat > /etc/sysctl.d/60-cloudtrain-tcp.conf <<'EOF'"],
+    ["#!/bin/sh", "cat > /etc/sysctl.d/99-cloudtrain-tcp.conf <<'EOF'"],
     [for key, value in local.host_tcp : "${key} = ${value}"],
     ["EOF", "sysctl --system", ""],
   ))
