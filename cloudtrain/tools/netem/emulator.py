@@ -364,21 +364,32 @@ class Emulator:
         """Start argv inside rank's namespace (see `env` for the environment it gets)."""
         return subprocess.Popen(self.command(rank, argv), env=self.env(rank, env), **kwargs)
 
-    def measure_mbit(self, src: int, dst: int, seconds: float = 1.0, port: int = 5201) -> float:
-        """TCP goodput from rank src to rank dst over `seconds`, Mbit/s, measured at dst."""
-        return self.measure_flows([(src, dst)], seconds, port)[0]
+    def measure_mbit(
+        self, src: int, dst: int, seconds: float = 1.0, port: int = 5201, skip_s: float = 0.0
+    ) -> float:
+        """TCP goodput from rank src to rank dst over `seconds`, Mbit/s, measured at dst (the
+        first `skip_s` of them left out)."""
+        return self.measure_flows([(src, dst)], seconds, port, skip_s)[0]
 
     def measure_flows(
-        self, pairs: Sequence[tuple[int, int]], seconds: float = 1.0, port: int = 5201
+        self,
+        pairs: Sequence[tuple[int, int]],
+        seconds: float = 1.0,
+        port: int = 5201,
+        skip_s: float = 0.0,
     ) -> list[float]:
         """TCP goodput of one flow per (src, dst) pair, all at once for `seconds`, Mbit/s each,
-        measured at each dst from its first byte (pair k listens on port + k). The senders start
-        one after another, a process launch apart (tens of ms against flows of seconds)."""
+        measured at each dst from its first byte, or `skip_s` after it (a flow's start left out;
+        less than `seconds`). Pair k listens on port + k. The senders start one after another, a
+        process launch apart (tens of ms against flows of seconds)."""
+        if not 0 <= skip_s < seconds:
+            raise ValueError(f"skip_s={skip_s}: leave out less than the flow's {seconds} s")
         procs: list[subprocess.Popen] = []
         try:
             receivers = []
             for k, (_, dst) in enumerate(pairs):
-                argv = [sys.executable, "-m", GOODPUT, "receive", self.address(dst), str(port + k)]
+                argv = [sys.executable, "-m", GOODPUT, "receive", self.address(dst), str(port + k),
+                        str(skip_s)]  # fmt: skip
                 receivers.append(self.popen(dst, argv, stdout=subprocess.PIPE, text=True))
                 procs.append(receivers[-1])
             for recv, (_, dst) in zip(receivers, pairs, strict=True):
