@@ -307,6 +307,18 @@ def test_passive_bandwidth_ignores_waiting_and_tiny_packets():
     # but 80 KB in 16 ms is a link that fell below 50, and 1 MB in 50 ms one that rose to 160
     assert passive_bandwidth([(80_000, 0.016)], latency=0.0, current=50 * MBIT) == 5e6
     assert passive_bandwidth([(1_000_000, 0.05)], latency=0.0, current=50 * MBIT) == 2e7
+    # 500 KB in 4.5 ms, 1.9 ms of it the latency as estimated: 1540 Mbit/s through a
+    # 1000 Mbit/s link rests on that estimate (with no latency at all, 890), no rise from it;
+    # with 1 ms of latency off 1 MB in 50 ms the rise stands
+    assert passive_bandwidth([(500_000, 0.0045)], latency=0.0019, current=1000 * MBIT) is None
+    assert passive_bandwidth([(1_000_000, 0.05)], latency=0.001, current=50 * MBIT) == (
+        pytest.approx(1_000_000 / 0.049)
+    )
+    # a reading under the estimate still stands, whatever the latency's share (slow packets
+    # ask for a re-probe)
+    assert passive_bandwidth([(500_000, 0.010)], latency=0.0019, current=1000 * MBIT) == (
+        pytest.approx(500_000 / 0.0081)
+    )
 
 
 def test_fit_link_recovers_latency_and_bandwidth():
