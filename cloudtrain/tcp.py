@@ -9,11 +9,10 @@ WAN_TCP's buffers (200 Mbit/s at 180 ms: 89 against 162-168), flows of 4-6 s.
 
 WAN_TCP holds buffer ceilings with room for 1 Gbit/s at 180 ms and BBR congestion control (the
 default of the kernel docs/measurements.md was measured on; most distributions start with CUBIC,
-which halves its window at each loss). The Terraform's hosts get
-them at boot (terraform/modules/region/main.tf, `host_tcp`), and so does every rank of the
-emulated network (cloudtrain.tools.netem). A host without the buffers is told so at start-up:
-`buffer_warning` names the links whose measured rate is what this host's buffers allow, and how
-to raise them.
+which halves its window at each loss). The Terraform's hosts get them at boot
+(terraform/modules/region/main.tf, `host_tcp`), and so does every rank of the emulated network
+(cloudtrain.tools.netem). A host without the buffers is told so at start-up: `buffer_warning`
+names the links whose measured rate is what this host's buffers allow, and how to raise them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The two ends of `Emulator.measure_mbit`: a TCP receiver and a sender, each run inside a rank's
 namespace as its own process.
 
-    python -m cloudtrain.tools.netem.goodput receive HOST PORT [SKIP]  # "ready", then "BYTES SECONDS"
+    python -m cloudtrain.tools.netem.goodput receive HOST PORT [SKIP]  # "ready", "BYTES SECONDS"
     python -m cloudtrain.tools.netem.goodput send HOST PORT SECONDS
 """
 
