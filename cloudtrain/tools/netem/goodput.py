@@ -14,20 +14,30 @@ import time
 
 def receive(host: str, port: int, skip: float = 0.0) -> None:
     """Listen on host:port, say "ready", take one connection to its end and print the bytes
-    received and the seconds they took, leaving out the first `skip` seconds (the flow's start)."""
+    received and the seconds they took, leaving out the first `skip` seconds (the flow's start).
+
+    The clock starts at a read, `skip` or more after the first byte, that emptied the socket
+    (it returned less than asked): the bytes that read and the reads before it took arrived
+    before the clock, counted they would be a backlog read at once (a busy reader's socket holds
+    megabytes)."""
     srv = socket.create_server((host, port))
     srv.settimeout(30)
     print("ready", flush=True)
     conn, _ = srv.accept()
     buf = bytearray(1 << 20)
-    n, t0 = 0, None
+    n, first, t0 = 0, None, None
     while k := conn.recv_into(buf):
         now = time.monotonic()
-        if t0 is None:
-            t0 = now + skip  # the clock starts at the first byte, and after `skip` from there
-        elif now > t0:
+        if t0 is not None:
             n += k
-    print(n, time.monotonic() - t0)
+            continue
+        first = now if first is None else first
+        if now >= first + skip and k < len(buf):
+            t0 = now
+    if t0 is None:
+        print("the flow ended before its clock started")
+    else:
+        print(n, time.monotonic() - t0)
 
 
 def send(host: str, port: int, seconds: float) -> None:
