@@ -4,9 +4,10 @@ Each ordered pair (i -> j), alone or beside pairs that share no link with it (`r
 a warm-up transfer, then messages of growing size (from what the warm-up showed, at least
 64 KiB, then sized from the rate the last one read: GROWTH) until one's transfer - its time
 less the fastest ping - takes at least `max_seconds` and twice the round trip, or the size
-reaches `max_bytes` (that size is repeated, and where it read under 0.75x of the size before it
-- or of the warm-up - twice that size too, within `max_bytes`: SLOW_READING); j answers each
-with a one-byte ack, i times them (and each message's announcement: a one-byte ping).
+reaches `max_bytes`: that size is repeated, or, where it read under 0.75x of the size before it
+(or of the warm-up), twice that size instead, within `max_bytes` (SLOW_READING). j answers each
+message with a one-byte ack, i times them, and each announcement of a size: a one-byte ping (a
+size repeated goes out once announced).
 (Sizes that only show the round trip cannot show bandwidth: across 80 ms, a few hundred KB take
 the round trip and a jitter's worth more, whatever the link's rate.) alpha (seconds, about one
 round trip) is the fastest ping, beta (bytes per second) the best rate of the repeated sizes, per
@@ -34,14 +35,17 @@ import torch.distributed as dist
 START_BYTES = 64 * 1024
 WARMUP_BYTES = 2 * 1024 * 1024
 SLOW_READING = 0.75
-"""A message that shows bandwidth read at under this share of the rate half its size read at
+"""A message that shows bandwidth read at under this share of the rate a smaller one read at
 (whose time the round trip weighs on more, so it should read slower, not faster; for the first
 size, the warm-up's, slow start and all) lost its transfer to recovering losses: `_measure`
-times a message twice its size too. On the emulated 50 Mbit/s link at 80 ms, one start-up
-probe in three read 0.62x of one TCP flow at 1.2 MB, all three repeats alike, where the half size
-had read 1.1x and 1.8 MB messages read 1.08x; at 200 Mbit/s, one in five read 0.70x at 4 MB,
-under the warm-up's rate. With the second message, 15 probes at 50 and 200 Mbit/s, 80 and
-180 ms read 0.90-1.15x of the flow, against 0.62-1.15x before."""
+times a message twice its size instead of repeating it. The smaller one is the last whose
+transfer took at least the round trip: one the round trip dominates reads a rate a ping queued
+behind other traffic can inflate (on the emulated 50 Mbit/s link at 180 ms, a 1.35 MB message
+read 2.5x the link, and the next, true, rate read "slow"). On the emulated 50 Mbit/s link at 80 ms,
+one start-up probe in three read 0.62x of one TCP flow at 1.2 MB, all three repeats alike, where
+the half size had read 1.1x and 1.8 MB messages read 1.08x; at 200 Mbit/s, one in five read
+0.70x at 4 MB, under the warm-up's rate. With the second message, 15 probes at 50 and
+200 Mbit/s, 80 and 180 ms read 0.90-1.15x of the flow, against 0.62-1.15x before."""
 GROWTH = 1.25
 """The next message carries what the last one's rate would carry in GROWTH x the target time
 (at least twice the last size, at most 8x): the rate a short message reads is low (its round trip
@@ -134,19 +138,30 @@ def fit_measured(samples: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def _timed(
-    size: int, payload: torch.Tensor, header: torch.Tensor, ack: torch.Tensor, dst: int, group: Any
-) -> tuple[tuple[int, float], tuple[int, float]]:
-    """One timed message of `size` bytes to dst and its ack (dst's receive posted first): the
-    announcement's round trip - a one-byte ping: dst's receive for it is posted since its last
-    ack - and the message's (size, seconds)."""
-    header[0] = size
+    size: int,
+    count: int,
+    payload: torch.Tensor,
+    header: torch.Tensor,
+    ack: torch.Tensor,
+    dst: int,
+    group: Any,
+) -> list[tuple[int, float]]:
+    """`count` timed messages of `size` bytes to dst, each until its ack is back, after one
+    announcement: its round trip - a one-byte ping: dst's receive for it is posted since its
+    last ack - and then each message's (size, seconds). dst posts its receive for the next
+    message before it acks the one before, so a repeat goes out without a round trip of its
+    own."""
+    header[0], header[1] = size, count
     t0 = time.perf_counter()
     dist.send(header, group=group, group_dst=dst)
     dist.recv(ack, group=group, group_src=dst)  # dst's receive is posted
-    t1 = time.perf_counter()
-    dist.send(payload[:size], group=group, group_dst=dst)
-    dist.recv(ack, group=group, group_src=dst)
-    return (1, t1 - t0), (size, time.perf_counter() - t1)
+    samples = [(1, time.perf_counter() - t0)]
+    for _ in range(count):
+        t1 = time.perf_counter()
+        dist.send(payload[:size], group=group, group_dst=dst)
+        dist.recv(ack, group=group, group_src=dst)  # received, and the next one's posted
+        samples.append((size, time.perf_counter() - t1))
+    return samples
 
 
 def _rank_and_size(group: Any) -> tuple[int, int]:
@@ -170,11 +185,13 @@ def _measure(
     transfer; the announcement's own round trip is a ping. A warm-up transfer takes TCP out of
     slow start, and its rate sizes the first timed message (at least `start` bytes). Sizes grow
     (GROWTH) until the transfer, not the round trip, dominates: at least max_seconds and twice
-    the round trip; that size is repeated, and twice it too (within max_bytes) where it read
-    under SLOW_READING of the size before it (of the warm-up, for the first size)."""
+    the round trip; that size is repeated, or twice it instead (within max_bytes) where it read
+    under SLOW_READING of the size before it (of the warm-up, for the first size). A size's
+    repeats go under one announcement: dst posts the next receive before it acks the last."""
     me = _rank_and_size(group)[0]
-    header = torch.zeros(1, dtype=torch.int64)
+    header = torch.zeros(2, dtype=torch.int64)  # a message's size, and how many times it goes
     ack = torch.zeros(1, dtype=torch.uint8)
+    most = max(repeats, 2)  # messages of one announcement
     samples: list[tuple[int, float]] = []
     if me == src:
         payload = torch.zeros(max_bytes, dtype=torch.uint8)
@@ -185,54 +202,59 @@ def _measure(
         # Every message's announcement is a one-byte ping: they time the round trip alone (a
         # fresh connection's first messages can be slow: the fastest counts). Pings of their
         # own would cost two round trips each and time nothing more.
-        announced, (warm, took) = _timed(min(WARMUP_BYTES, max_bytes), *args)
+        announced, (warm, took) = _timed(min(WARMUP_BYTES, max_bytes), 1, *args)
         samples.append(announced)
         rtt = announced[1]
         rate = warm / max(took - rtt, 1e-9)  # the last size's (first, the warm-up's), bytes/s
+        shown = rate  # the last that the round trip did not dominate (SLOW_READING's reference)
         target = max(max_seconds, 2 * rtt)
         size = int(min(max(start, rate * target), max_bytes))
         while True:
-            samples.extend(_timed(size, *args))
+            samples.extend(_timed(size, 1, *args))
             rtt = min(rtt, samples[-2][1])
             # the target from the fastest ping: the first waits for dst to reach the probe
             # (0.35 s on 180 ms links), and a target from it asked for transfers twice too long
             target = max(max_seconds, 2 * rtt)
             transfer = samples[-1][1] - rtt
             if transfer >= target or size * 2 > max_bytes:
-                for _ in range(repeats - 1):  # the size that shows bandwidth: its fastest counts
-                    samples.extend(_timed(size, *args))
-                fastest = min(t for b, t in samples if b == size) - rtt
-                if size / max(fastest, 1e-9) < SLOW_READING * rate and size * 2 <= max_bytes:
-                    # slower than the size before it (or the warm-up, slow start and all) was,
-                    # every time: a message that overran the shaper's queue and spent its time
-                    # recovering losses. Once more, twice as long (the best of the sizes
-                    # repeated counts: fit_measured)
-                    for _ in range(max(repeats - 1, 2)):
-                        samples.extend(_timed(size * 2, *args))
                 break
             rate = size / max(transfer, 1e-9)
+            if transfer >= rtt:  # a rate the round trip does not dominate: SLOW_READING's too
+                shown = rate
             # at least twice the size, and what the rate it read would carry in GROWTH x the
             # target (a rate read from a short message is low: its round trip and slow start
             # weigh on it), within 8x
             size = int(min(max(2 * size, min(8 * size, GROWTH * rate * target)), max_bytes))
+        if size / max(transfer, 1e-9) < SLOW_READING * shown and size * 2 <= max_bytes:
+            # slower than a size before it (or the warm-up, slow start and all) was: a message
+            # that overran the shaper's queue and spent its time recovering losses, which its
+            # repeats do alike. Twice that size instead, repeated (fit_measured: the best of the
+            # sizes repeated counts)
+            samples.extend(_timed(size * 2, most, *args))
+        elif repeats > 1:  # the size that shows bandwidth, again: its fastest counts
+            samples.extend(_timed(size, repeats - 1, *args))
         header[0] = 0
         dist.send(header, group=group, group_dst=dst)
     elif me == dst:
         buf = torch.empty(max_bytes, dtype=torch.uint8)
         while True:
             dist.recv(header, group=group, group_src=src)
-            size = int(header[0])
+            size, count = int(header[0]), int(header[1])
             if size == 0:
                 break
-            if not 0 < size <= max_bytes:
+            if not (0 < size <= max_bytes and 0 < count <= most):
                 raise RuntimeError(
-                    f"cloudtrain probe: rank {src} announced a {size}-byte message where 1 to "
-                    f"{max_bytes} bytes were expected; every rank must run the same cloudtrain"
+                    f"cloudtrain probe: rank {src} announced {count} message(s) of {size} bytes "
+                    f"where 1 to {most} of 1 to {max_bytes} bytes were expected; every rank must "
+                    "run the same cloudtrain with the same probe options"
                 )
             work = dist.irecv(buf[:size], group=group, group_src=src)
-            dist.send(ack, group=group, group_dst=src)
-            work.wait()
-            dist.send(ack, group=group, group_dst=src)
+            dist.send(ack, group=group, group_dst=src)  # posted
+            for left in range(count - 1, -1, -1):
+                work.wait()
+                if left:  # the next one's receive is posted before this one's ack leaves
+                    work = dist.irecv(buf[:size], group=group, group_src=src)
+                dist.send(ack, group=group, group_dst=src)
     return samples
 
 

@@ -15,10 +15,17 @@ import sys
 import uuid
 
 import pytest
-from distributed import spawn_in_regions
+from distributed import RankFailed, run_ranks, spawn_in_regions
 from support import EMULATOR_MACHINE
 
-from cloudtrain.probe import LinkMatrix, expand, fit_measured, representative_pairs, rounds
+from cloudtrain.probe import (
+    LinkMatrix,
+    _measure,
+    expand,
+    fit_measured,
+    representative_pairs,
+    rounds,
+)
 from cloudtrain.tools import netem
 from cloudtrain.tools.netem import Emulator, teardown
 
@@ -143,7 +150,7 @@ def test_the_best_repeated_size_sets_the_bandwidth_not_a_transfer_that_lost_pack
     by its fastest time less the fastest ping; sizes timed once only led up to them."""
     rtt = 0.08
     lossy = [(1, rtt), (1, rtt + 0.001), (600_000, rtt + 0.09)]  # once: led up, not counted
-    lossy += [(1_200_000, rtt + 0.33)] * 3  # all three slow: losses recovered
+    lossy += [(1_200_000, rtt + 0.33)]  # slow (losses recovered): twice its size instead
     lossy += [(2_400_000, rtt + 0.38), (2_400_000, rtt + 0.40)]
     alpha, beta = fit_measured(lossy)
     assert alpha == rtt and beta == pytest.approx(2_400_000 / 0.38)
@@ -151,3 +158,50 @@ def test_the_best_repeated_size_sets_the_bandwidth_not_a_transfer_that_lost_pack
     assert fit_measured(plain)[1] == pytest.approx(1_000_000 / 0.16)
     once = [(1, rtt), (500_000, rtt + 0.1), (1_000_000, rtt + 0.25)]  # none repeated: the largest
     assert fit_measured(once)[1] == pytest.approx(1_000_000 / 0.25)
+
+
+def _measure_pair(rank: int, world: int, repeats: int) -> list[tuple[int, float]]:
+    import cloudtrain
+
+    cloudtrain.init()
+    return _measure(0, 1, None, 0.05, 8 * 1024 * 1024, repeats, 64 * 1024)
+
+
+def test_a_size_repeated_goes_under_one_announcement():
+    """Every announcement is a one-byte ping (a round trip); the repeats of the size that shows
+    bandwidth - or of twice it, where it read slow - go under one: the receiver posts the next
+    receive before it acks the last. Real gloo ranks on loopback."""
+    repeats = 4
+    samples, received = run_ranks(2, _measure_pair, repeats)
+    assert received == []  # the receiver keeps no samples
+    pings = [t for b, t in samples if b == 1]
+    messages = [b for b, _ in samples if b > 1]
+    last = messages[-1]
+    assert messages.count(last) >= repeats  # the size that shows bandwidth, repeated
+    # the warm-up (not a sample) and each size leading up announced once, the repeats - of
+    # that size (repeats - 1 of them), or of twice it (repeats) - once between them
+    assert len(messages) - len(pings) in (repeats - 3, repeats - 2), samples
+    assert all(b == last for b in messages[len(messages) - repeats + 1 :])
+
+
+def _bad_announcement(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import cloudtrain
+
+    cloudtrain.init()
+    if rank == 0:  # a peer that announces more repeats than the probe ever sends
+        dist.send(torch.tensor([1000, 50], dtype=torch.int64), dst=1)
+        return
+    _measure(0, 1, None, 0.05, 1024 * 1024, 2, 64 * 1024)
+
+
+def test_an_announced_count_or_size_is_checked_before_it_is_received():
+    """No declared size is trusted: a count of messages beyond what the probe sends raises,
+    naming it, before the receiver posts a receive for any of them."""
+    results = run_ranks(2, _bad_announcement, allow_failures=True)
+    assert results[0] is None
+    assert isinstance(results[1], RankFailed)
+    assert "rank 0 announced 50 message(s) of 1000 bytes" in results[1].text
+    assert "where 1 to 2 of 1 to 1048576 bytes were expected" in results[1].text
