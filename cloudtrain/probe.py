@@ -4,10 +4,10 @@ Each ordered pair (i -> j), alone or beside pairs that share no link with it (`r
 a warm-up transfer, then messages of growing size (from what the warm-up showed, at least
 64 KiB, then sized from the rate the last one read: GROWTH) until one's transfer - its time
 less the fastest ping - takes at least `max_seconds` and twice the round trip, or the size
-reaches `max_bytes`: that size is repeated, or, where it read under 0.75x of the size before it
-(or of the warm-up), twice that size instead, within `max_bytes` (SLOW_READING). j answers each
-message with a one-byte ack, i times them, and each announcement of a size: a one-byte ping (a
-size repeated goes out once announced).
+reaches `max_bytes`: that size is repeated, or, where it read under 0.75x of a smaller one's
+rate (SLOW_READING), twice that size instead, within `max_bytes`. j answers each message with a
+one-byte ack, i times them, and each announcement of a size: a one-byte ping (a size's repeats
+go under one announcement).
 (Sizes that only show the round trip cannot show bandwidth: across 80 ms, a few hundred KB take
 the round trip and a jitter's worth more, whatever the link's rate.) alpha (seconds, about one
 round trip) is the fastest ping, beta (bytes per second) the best rate of the repeated sizes, per
@@ -39,8 +39,9 @@ SLOW_READING = 0.75
 (whose time the round trip weighs on more, so it should read slower, not faster; for the first
 size, the warm-up's, slow start and all) lost its transfer to recovering losses: `_measure`
 times a message twice its size instead of repeating it. The smaller one is the last whose
-transfer took at least the round trip: one the round trip dominates reads a rate a ping queued
-behind other traffic can inflate (on the emulated 50 Mbit/s link at 180 ms, a 1.35 MB message
+transfer took at least the round trip (the warm-up where none did), both as the probe's fastest
+ping leaves them: one the round trip dominates reads a rate a ping queued behind other traffic
+can inflate (on the emulated 50 Mbit/s link at 180 ms, a 1.35 MB message
 read 2.5x the link, and the next, true, rate read "slow"). On the emulated 50 Mbit/s link at 80 ms,
 one start-up probe in three read 0.62x of one TCP flow at 1.2 MB, all three repeats alike, where
 the half size had read 1.1x and 1.8 MB messages read 1.08x; at 200 Mbit/s, one in five read
@@ -118,7 +119,7 @@ def fit_link(samples: list[tuple[int, float]]) -> tuple[float, float]:
 def fit_measured(samples: list[tuple[int, float]]) -> tuple[float, float]:
     """(alpha, beta) from a pair's samples (`_measure`): the latency is the fastest one-byte
     ping, the bandwidth the best rate of the sizes that show it - those timed more than once
-    (`_measure` repeats the size it stopped at, and the next one where that read slow), each
+    (`_measure` repeats the size it stopped at, or twice it instead where that read slow), each
     by its fastest time less that latency (the largest size alone where none was repeated);
     without pings, the least-squares fit of every size (fit_link)."""
     pings = [t for b, t in samples if b == 1]
@@ -149,8 +150,8 @@ def _timed(
     """`count` timed messages of `size` bytes to dst, each until its ack is back, after one
     announcement: its round trip - a one-byte ping: dst's receive for it is posted since its
     last ack - and then each message's (size, seconds). dst posts its receive for the next
-    message before it acks the one before, so a repeat goes out without a round trip of its
-    own."""
+    message before it acks the one before, so a repeat goes out without an announcement round
+    trip of its own."""
     header[0], header[1] = size, count
     t0 = time.perf_counter()
     dist.send(header, group=group, group_dst=dst)
@@ -159,7 +160,7 @@ def _timed(
     for _ in range(count):
         t1 = time.perf_counter()
         dist.send(payload[:size], group=group, group_dst=dst)
-        dist.recv(ack, group=group, group_src=dst)  # received, and the next one's posted
+        dist.recv(ack, group=group, group_src=dst)  # received (and the next one's posted)
         samples.append((size, time.perf_counter() - t1))
     return samples
 
@@ -171,6 +172,18 @@ def _rank_and_size(group: Any) -> tuple[int, int]:
     if group is None:
         return dist.get_rank(), dist.get_world_size()
     return group.rank(), group.size()
+
+
+def _reference(before: list[tuple[int, float]], rtt: float) -> float:
+    """SLOW_READING's reference rate, bytes/s: of the messages before the one that shows
+    bandwidth - (bytes, seconds), the warm-up first - the last whose transfer (its time less
+    `rtt`, the probe's fastest ping) took at least the round trip; the warm-up's where none
+    did."""
+    for size, seconds in reversed(before[1:]):
+        if seconds - rtt >= rtt:
+            return size / (seconds - rtt)
+    size, seconds = before[0]
+    return size / max(seconds - rtt, 1e-9)
 
 
 def _measure(
@@ -186,8 +199,8 @@ def _measure(
     slow start, and its rate sizes the first timed message (at least `start` bytes). Sizes grow
     (GROWTH) until the transfer, not the round trip, dominates: at least max_seconds and twice
     the round trip; that size is repeated, or twice it instead (within max_bytes) where it read
-    under SLOW_READING of the size before it (of the warm-up, for the first size). A size's
-    repeats go under one announcement: dst posts the next receive before it acks the last."""
+    under SLOW_READING of a smaller one's rate (`_reference`). A size's repeats go under one
+    announcement: dst posts the next receive before it acks the last."""
     me = _rank_and_size(group)[0]
     header = torch.zeros(2, dtype=torch.int64)  # a message's size, and how many times it goes
     ack = torch.zeros(1, dtype=torch.uint8)
@@ -199,14 +212,14 @@ def _measure(
         # A connection that has carried little is still in TCP slow start, and across a long
         # round trip that would make every small message look slower: a warm-up transfer first,
         # not a sample, whose rate (a floor: slow start is in it) sizes the first timed message.
-        # Every message's announcement is a one-byte ping: they time the round trip alone (a
+        # Every size's announcement is a one-byte ping: they time the round trip alone (a
         # fresh connection's first messages can be slow: the fastest counts). Pings of their
         # own would cost two round trips each and time nothing more.
         announced, (warm, took) = _timed(min(WARMUP_BYTES, max_bytes), 1, *args)
         samples.append(announced)
         rtt = announced[1]
         rate = warm / max(took - rtt, 1e-9)  # the last size's (first, the warm-up's), bytes/s
-        shown = rate  # the last that the round trip did not dominate (SLOW_READING's reference)
+        before = [(warm, took)]  # (bytes, seconds) of the warm-up and the sizes leading up
         target = max(max_seconds, 2 * rtt)
         size = int(min(max(start, rate * target), max_bytes))
         while True:
@@ -219,13 +232,13 @@ def _measure(
             if transfer >= target or size * 2 > max_bytes:
                 break
             rate = size / max(transfer, 1e-9)
-            if transfer >= rtt:  # a rate the round trip does not dominate: SLOW_READING's too
-                shown = rate
+            before.append(samples[-1])
             # at least twice the size, and what the rate it read would carry in GROWTH x the
             # target (a rate read from a short message is low: its round trip and slow start
             # weigh on it), within 8x
             size = int(min(max(2 * size, min(8 * size, GROWTH * rate * target)), max_bytes))
-        if size / max(transfer, 1e-9) < SLOW_READING * shown and size * 2 <= max_bytes:
+        slow = size / max(transfer, 1e-9) < SLOW_READING * _reference(before, rtt)
+        if slow and size * 2 <= max_bytes:
             # slower than a size before it (or the warm-up, slow start and all) was: a message
             # that overran the shaper's queue and spent its time recovering losses, which its
             # repeats do alike. Twice that size instead, repeated (fit_measured: the best of the
@@ -233,7 +246,7 @@ def _measure(
             samples.extend(_timed(size * 2, most, *args))
         elif repeats > 1:  # the size that shows bandwidth, again: its fastest counts
             samples.extend(_timed(size, repeats - 1, *args))
-        header[0] = 0
+        header.zero_()  # the end
         dist.send(header, group=group, group_dst=dst)
     elif me == dst:
         buf = torch.empty(max_bytes, dtype=torch.uint8)

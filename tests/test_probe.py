@@ -169,8 +169,8 @@ def _measure_pair(rank: int, world: int, repeats: int) -> list[tuple[int, float]
 
 def test_a_size_repeated_goes_under_one_announcement():
     """Every announcement is a one-byte ping (a round trip); the repeats of the size that shows
-    bandwidth - or of twice it, where it read slow - go under one: the receiver posts the next
-    receive before it acks the last. Real gloo ranks on loopback."""
+    bandwidth - or of twice it, where it read slow - go under one. Real gloo ranks on loopback
+    (where the first size is the largest, so the size is repeated)."""
     repeats = 4
     samples, received = run_ranks(2, _measure_pair, repeats)
     assert received == []  # the receiver keeps no samples
@@ -184,24 +184,50 @@ def test_a_size_repeated_goes_under_one_announcement():
     assert all(b == last for b in messages[len(messages) - repeats + 1 :])
 
 
-def _bad_announcement(rank: int, world: int) -> None:
+def _announcing(rank: int, world: int, header: list[int]) -> None:
+    """Rank 0 plays a sender by hand: `header` announced; where the receiver takes it (a count
+    of 2, the most `repeats=2` sends), two messages of that size, each until its ack, then the
+    end - with the count left over, as the probe leaves it. Rank 1 is the probe's receiver."""
     import torch
     import torch.distributed as dist
 
     import cloudtrain
 
     cloudtrain.init()
-    if rank == 0:  # a peer that announces more repeats than the probe ever sends
-        dist.send(torch.tensor([1000, 50], dtype=torch.int64), dst=1)
-        return
-    _measure(0, 1, None, 0.05, 1024 * 1024, 2, 64 * 1024)
+    if rank == 1:
+        return _measure(0, 1, None, 0.05, 1024 * 1024, 2, 64 * 1024)
+    ack = torch.zeros(1, dtype=torch.uint8)
+    dist.send(torch.tensor(header, dtype=torch.int64), dst=1)
+    if header[1] != 2:  # refused: the receiver is gone
+        return None
+    dist.recv(ack, src=1)  # its receive is posted
+    for _ in range(2):
+        dist.send(torch.zeros(header[0], dtype=torch.uint8), dst=1)
+        dist.recv(ack, src=1)
+    dist.send(torch.tensor([0, header[1]], dtype=torch.int64), dst=1)
+    return None
 
 
-def test_an_announced_count_or_size_is_checked_before_it_is_received():
-    """No declared size is trusted: a count of messages beyond what the probe sends raises,
-    naming it, before the receiver posts a receive for any of them."""
-    results = run_ranks(2, _bad_announcement, allow_failures=True)
+def test_a_receiver_takes_as_many_messages_as_announced_then_the_end():
+    """Two messages under one announcement (the most the probe sends with repeats=2), each
+    acked, then the end whatever count it carries: both ranks finish, the receiver with no
+    samples of its own."""
+    assert run_ranks(2, _announcing, [300_000, 2]) == [None, []]
+
+
+@pytest.mark.parametrize(
+    "header, named",
+    [
+        ([1000, 50], "announced 50 message(s) of 1000 bytes"),
+        ([1000, 0], "announced 0 message(s) of 1000 bytes"),
+        ([1024 * 1024 + 1, 1], "announced 1 message(s) of 1048577 bytes"),
+    ],
+)
+def test_an_announced_count_or_size_is_checked_before_it_is_received(header, named):
+    """No declared size is trusted: a count of messages beyond what the probe sends (or none),
+    or a size beyond its largest message, raises, naming it, before the receiver posts a receive
+    for any of them."""
+    results = run_ranks(2, _announcing, header, allow_failures=True)
     assert results[0] is None
     assert isinstance(results[1], RankFailed)
-    assert "rank 0 announced 50 message(s) of 1000 bytes" in results[1].text
-    assert "where 1 to 2 of 1 to 1048576 bytes were expected" in results[1].text
+    assert f"rank 0 {named} where 1 to 2 of 1 to 1048576 bytes were expected" in results[1].text
