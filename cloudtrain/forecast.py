@@ -34,7 +34,7 @@ from typing import Any
 
 from .compress.ladders import LADDER, OUTER_LADDER
 from .config import AUTO, CompressionConfig, ControllerOptions
-from .costs import CostModel, LinkEstimate, plain_seconds, plan_levels
+from .costs import CostModel, LinkEstimate, Ring, plain_seconds, plan_levels
 from .guard import first_ceiling
 from .outer import choose_schedule, fragment_exchange_seconds
 from .plan import Codecs, Rung, ceil_div, describe
@@ -370,6 +370,9 @@ class Setting:
     compute_s: float
     intra_s: float
     """Seconds per step of the dense reduction (and gather) inside a region."""
+    handshake: bool = False
+    """DDP's and HSDP's all-reduce go over gloo (CPU tensors), whose every message waits for its
+    receiver's word (costs.Ring); on GPUs NCCL's ring pipelines without it."""
 
     @property
     def buckets(self) -> int:
@@ -404,7 +407,8 @@ def predict_ddp(
     regions = len(s.links)
     ranks = regions if hsdp else s.world
     crossing = 2 * (ranks - 1) / ranks * grad
-    exchange = plain_seconds(grad, link, units or s.buckets, ring=(ranks, regions))
+    ring = Ring(ranks, regions, s.handshake)
+    exchange = plain_seconds(grad, link, units or s.buckets, ring=ring)
     return s.compute_s + (intra if hsdp else 0.0) + exchange, [crossing] * regions
 
 

@@ -16,7 +16,7 @@ from hcl2.utils import SerializationOptions
 from support import plan_module_outputs
 
 from cloudtrain import CompressionConfig
-from cloudtrain.costs import LinkEstimate
+from cloudtrain.costs import LinkEstimate, Ring
 from cloudtrain.forecast import (
     PRICES,
     Cluster,
@@ -179,3 +179,30 @@ def test_ddp_is_a_ring_over_every_rank_and_hsdp_one_over_the_regions():
     many = dataclasses.replace(s, world=16, shards=8, links=(LinkEstimate(2.5e6, 0.08),) * 2)
     step, wan = predict_ddp(many, 4)
     assert step == pytest.approx(0.01 + 30 / 16 * grad / 20e6 + 2 * trips)
+
+
+def test_over_gloo_every_step_of_a_ring_across_regions_waits_for_its_crossing_hop():
+    """gloo sends a message once its receiver has said it posted the receive: each of the ring's
+    2 (n - 1) steps waits a round trip, or its message's transfer and half of one where that is
+    longer, and the last half a round trip more (fitted to gloo's all-reduce on the emulated
+    network: 6 round trips a bucket at 4 ranks, where the pipelined ring's chain gives 1.5)."""
+    rtt, grad = 0.08, 4e6
+    # 2 regions x 2 ranks; 1000 Mbit/s a region: a step's 1 MB takes 8 ms, under half a trip
+    owner = LinkEstimate(62.5e6, rtt)
+    gloo = Setting(1_000_000, 4, (owner, owner), 2, 0.0, 0.0, handshake=True)
+    assert predict_ddp(gloo, 4)[0] == pytest.approx(6 * rtt + rtt / 2)
+    nccl = dataclasses.replace(gloo, handshake=False)  # the pipelined ring: the chain of hops
+    assert predict_ddp(nccl, 4)[0] == pytest.approx(1.5 * grad / 125e6 + 1.5 * rtt)
+    # 100 Mbit/s: a step's 1 MB takes 80 ms, longer than half a round trip
+    slow = dataclasses.replace(gloo, links=(LinkEstimate(6.25e6, rtt),) * 2)
+    assert predict_ddp(slow, 4)[0] == pytest.approx(6 * (1e6 / 12.5e6 + rtt / 2) + rtt / 2)
+    # the bytes do not change, and without a round trip neither does the time
+    assert predict_ddp(slow, 4)[1] == predict_ddp(dataclasses.replace(slow, handshake=False), 4)[1]
+    flat = dataclasses.replace(slow, links=(LinkEstimate(6.25e6, 0.0),) * 2)
+    assert predict_ddp(flat, 4)[0] == pytest.approx(
+        predict_ddp(dataclasses.replace(flat, handshake=False), 4)[0]
+    )
+    # HSDP's ring of the 2 regions: 2 steps
+    assert predict_ddp(gloo, 4, hsdp=True)[0] == pytest.approx(2 * rtt + rtt / 2)
+    with pytest.raises(ValueError, match="Ring: 1 ranks in 1 regions"):
+        Ring(1, 1)

@@ -302,8 +302,8 @@ def _predict(
         LinkEstimate(up[r] * 1e6 / 8 / shards, links.rtt_ms / 1000) for r in ("us", "eu")
     )
     stages = {k: v / 1000 for k, v in (run.comm_ms or {}).items()}
-    if run.method in ("ddp", "fp16", "hsdp"):
-        setting = Setting(run.numel, world, per_owner, shards, compute.step_ms / 1000, 0.0)
+    if run.method in ("ddp", "fp16", "hsdp"):  # over gloo: every message waits for its receiver
+        setting = Setting(run.numel, world, per_owner, shards, compute.step_ms / 1000, 0.0, True)
         hsdp = run.method == "hsdp"
         step, sent = predict_ddp(setting, 2 if run.method == "fp16" else 4, hsdp, run.units)
     elif run.outer_schedule is not None:
