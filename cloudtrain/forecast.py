@@ -371,8 +371,9 @@ class Setting:
     intra_s: float
     """Seconds per step of the dense reduction (and gather) inside a region."""
     handshake: bool = False
-    """DDP's and HSDP's all-reduce go over gloo (CPU tensors), whose every message waits for its
-    receiver's word (costs.Ring); on GPUs NCCL's ring pipelines without it."""
+    """True where DDP's and HSDP's all-reduce go over gloo (CPU tensors: the bench), whose every
+    message waits for its receiver's word (costs.Ring); on GPUs NCCL's ring pipelines without
+    it."""
 
     @property
     def buckets(self) -> int:
@@ -397,7 +398,10 @@ def predict_ddp(
     of the gradients), or with `hsdp` FSDP2 HSDP's: the reduction inside each region, then one
     ring a shard across the regions (one rank each, every hop crossing) on the shared link. The
     step waits for the slowest link. units: how many all-reduces a step waits for in turn (FSDP2
-    reduces each wrapped unit on its own; default DDP's 25 MB buckets)."""
+    reduces each wrapped unit on its own; default DDP's 25 MB buckets). torch's DDP makes its
+    first bucket 1 MB, so a model of a few MB has two, which gloo can reduce at once (two worker
+    threads): counted as one here (the bench's MLP, 4.2 + 0.3 MB, was predicted within 2 %;
+    whether its two run at once was not measured)."""
     grad = int(s.numel * nbytes_per_param)
     intra = s.intra_s * nbytes_per_param / 4
     if len(s.links) == 1:

@@ -185,7 +185,8 @@ def test_over_gloo_every_step_of_a_ring_across_regions_waits_for_its_crossing_ho
     """gloo sends a message once its receiver has said it posted the receive: each of the ring's
     2 (n - 1) steps waits a round trip, or its message's transfer and half of one where that is
     longer, and the last half a round trip more (fitted to gloo's all-reduce on the emulated
-    network: 6 round trips a bucket at 4 ranks, where the pipelined ring's chain gives 1.5)."""
+    network: about 6 round trips a bucket at 4 ranks, where the pipelined ring's chain gives
+    1.5)."""
     rtt, grad = 0.08, 4e6
     # 2 regions x 2 ranks; 1000 Mbit/s a region: a step's 1 MB takes 8 ms, under half a trip
     owner = LinkEstimate(62.5e6, rtt)
@@ -202,7 +203,8 @@ def test_over_gloo_every_step_of_a_ring_across_regions_waits_for_its_crossing_ho
     assert predict_ddp(flat, 4)[0] == pytest.approx(
         predict_ddp(dataclasses.replace(flat, handshake=False), 4)[0]
     )
-    # HSDP's ring of the 2 regions: 2 steps
+    # HSDP's ring of the 2 regions: 2 steps; and a bucket's worth of that per unit, in turn
     assert predict_ddp(gloo, 4, hsdp=True)[0] == pytest.approx(2 * rtt + rtt / 2)
+    assert predict_ddp(gloo, 4, hsdp=True, units=2)[0] == pytest.approx(2 * (2 * rtt + rtt / 2))
     with pytest.raises(ValueError, match="Ring: 1 ranks in 1 regions"):
         Ring(1, 1)
