@@ -139,8 +139,8 @@ def plain_seconds(
     round trip - and the last half a round trip more. For 12 gloo all-reduces on the emulated
     network (0.4-4.4 MB, 2-6 ranks in 2 regions, 50-1000 Mbit/s, 80-180 ms) this gives
     0.84-1.10x of what they took, the chain 0.20-0.87x (5.9-6.6 round trips a bucket at 4
-    ranks, where the chain gives 1.5). Without `ring` (the controller, before it has measured one), the bound: every byte
-    crosses twice, a round trip per bucket."""
+    ranks, where the chain gives 1.5). Without `ring` (the controller, before it has measured
+    one), the bound: every byte crosses twice, a round trip per bucket."""
     if measured is not None:
         return measured
     if ring is None:

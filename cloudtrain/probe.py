@@ -41,9 +41,9 @@ size, the warm-up's, slow start and all) lost its transfer to recovering losses:
 times a message twice its size instead of repeating it. The smaller one is the last whose
 transfer took at least the round trip (the warm-up where none did), both as the probe's fastest
 ping leaves them: one the round trip dominates reads a rate a ping queued behind other traffic
-can inflate (on the emulated 50 Mbit/s link at 180 ms, a 1.35 MB message
-read 2.5x the link, and the next, true, rate read "slow"). On the emulated 50 Mbit/s link at 80 ms,
-one start-up probe in three read 0.62x of one TCP flow at 1.2 MB, all three repeats alike, where
+can inflate (on the emulated 50 Mbit/s link at 180 ms, a 1.35 MB message read 2.5x the link,
+and the next, true, rate read "slow"). On the emulated 50 Mbit/s link at 80 ms, one start-up
+probe in three read 0.62x of one TCP flow at 1.2 MB, all three repeats alike, where
 the half size had read 1.1x and 1.8 MB messages read 1.08x; at 200 Mbit/s, one in five read
 0.70x at 4 MB, under the warm-up's rate. With the second message, 15 probes at 50 and
 200 Mbit/s, 80 and 180 ms read 0.90-1.15x of the flow, against 0.62-1.15x before."""

@@ -303,7 +303,8 @@ def _predict(
     )
     stages = {k: v / 1000 for k, v in (run.comm_ms or {}).items()}
     if run.method in ("ddp", "fp16", "hsdp"):  # over gloo: every message waits for its receiver
-        setting = Setting(run.numel, world, per_owner, shards, compute.step_ms / 1000, 0.0, True)
+        compute_s = compute.step_ms / 1000
+        setting = Setting(run.numel, world, per_owner, shards, compute_s, 0.0, handshake=True)
         hsdp = run.method == "hsdp"
         step, sent = predict_ddp(setting, 2 if run.method == "fp16" else 4, hsdp, run.units)
     elif run.outer_schedule is not None:
