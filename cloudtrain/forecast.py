@@ -418,18 +418,21 @@ def predict_ddp(
 
 def predict_rungs(s: Setting, rungs: Sequence[Rung]) -> tuple[float, list[float]]:
     """(step seconds, bytes each region sends across per step) of per-step CloudDDP sending
-    these rungs (codec, level) by region, synchronous: compute, the dense reduction, and what of
-    the exchange (a round trip and the transfer, costs.CostModel.rung_seconds) does not
-    hide in compute."""
+    these rungs (codec, level) by region, synchronous: compute, and what of the exchange does
+    not hide in compute - its round trip, its transfer and the dense reduction inside the region
+    that its packets need (costs.CostModel.rung_seconds, whose `extra` holds the reduction, so
+    that it is counted once). A plan that compresses nothing runs DDP's plain all-reduce over every rank
+    (the hook's plain path): predicted as predict_ddp, its ring's bytes and time."""
     ladder = [("none", None), *dict.fromkeys(r for r in rungs if r[0] != "none")]
-    model = s.cost_model(ladder)
     at = [ladder.index(r) if r[0] != "none" else 0 for r in rungs]
-    plain = not any(at)
+    if not any(at):
+        return predict_ddp(s, 4)
+    model = s.cost_model(ladder)
     exchange = max(
-        model.rung_seconds(lk, r, 0, plain) for lk, r in zip(model.links, at, strict=True)
+        model.rung_seconds(lk, r, 0, plain=False) for lk, r in zip(model.links, at, strict=True)
     )
     exposed = max(exchange - model.usable, 0.0)
-    step = s.compute_s + exposed + (0.0 if plain else s.intra_s)
+    step = s.compute_s + exposed
     return step, [s.shards * model.sizes[r] for r in at]
 
 

@@ -280,10 +280,15 @@ def _predict(
 ) -> tuple[float | None, float | None]:
     """The planner's step time (ms) and WAN MB/step for this row (cloudtrain.forecast), from
     the measured compute step, the row's own measured dense in-region costs and the scenario's
-    links; None where the model has no such mode (PowerSGD, the loopback rows). "auto" is
-    predicted for each plan it ran, weighted by the counted steps each was in force (zstd's
-    gains left out: the planner predicts none; so is the wire's framing - headers,
-    acknowledgements, gloo's preamble, about 0.8 KB a packet - which the emulator counts).
+    links; None where the model has no such mode (PowerSGD, the loopback rows). Every row's
+    all-reduce goes over gloo, whose messages wait for their receivers (Setting.handshake).
+
+    "auto" is predicted for each plan it ran: each counted step gets the prediction of the plan
+    in force. The row's step time is their median, as the measured one is the steps' median
+    (where plans differ severalfold in time, the mean is far from it); its bytes are their mean,
+    as the measured bytes are. Left out: zstd's gains (the planner predicts none) and the wire's
+    framing - headers, acknowledgements, gloo's preamble, about 0.8 KB a packet - which the
+    emulator counts.
 
     The outer loop's inner step is DDP's inside a region: its base is DDP's unshaped step (the
     all-reduce overlapping backward as DDP overlaps it) where the bench ran it. Its syncs are
@@ -302,7 +307,7 @@ def _predict(
         LinkEstimate(up[r] * 1e6 / 8 / shards, links.rtt_ms / 1000) for r in ("us", "eu")
     )
     stages = {k: v / 1000 for k, v in (run.comm_ms or {}).items()}
-    if run.method in ("ddp", "fp16", "hsdp"):  # over gloo: every message waits for its receiver
+    if run.method in ("ddp", "fp16", "hsdp"):
         compute_s = compute.step_ms / 1000
         setting = Setting(run.numel, world, per_owner, shards, compute_s, 0.0, handshake=True)
         hsdp = run.method == "hsdp"
@@ -310,7 +315,9 @@ def _predict(
     elif run.outer_schedule is not None:
         h, rungs = run.outer_schedule
         intra = stages.get("allreduce", 0.0)
-        setting = Setting(run.numel, world, per_owner, shards, compute.step_ms / 1000, intra)
+        setting = Setting(
+            run.numel, world, per_owner, shards, compute.step_ms / 1000, intra, handshake=True
+        )
         step, sent = predict_outer(setting, h, [(r[0], _level(r[1])) for r in rungs])
         steps, warmup = counted
         share = (steps // h - warmup // h + 1) * h / (steps - warmup)  # syncs run / syncs per H
@@ -318,13 +325,20 @@ def _predict(
         step = base + (step - setting.compute_s - intra) * share
         sent = [b * share for b in sent]
     else:
-        intra = stages.get("intra_reduce", 0.0) + stages.get("intra_gather", 0.0)
-        setting = Setting(run.numel, world, per_owner, shards, compute.step_ms / 1000, intra)
+        # the gather moves back what the reduce moved; where it took longer, it was waiting for
+        # the region's other owner's packet (an uplink two owners share unevenly), which the
+        # exchange's model already counts
+        reduce = stages.get("intra_reduce", 0.0)
+        intra = reduce + min(stages.get("intra_gather", 0.0), reduce)
+        setting = Setting(
+            run.numel, world, per_owner, shards, compute.step_ms / 1000, intra, handshake=True
+        )
         sends = [(r[0], _level(r[1])) for r in run.sends or [["none", None]] * 2]
         plans = run.plan_history or [(0, sends)]
         spans = _spans([s for s, _ in plans], *counted)
         predicted = [predict_rungs(setting, [(c, _level(lv)) for c, lv in p]) for _, p in plans]
-        step = sum(n * t for n, (t, _) in zip(spans, predicted, strict=True)) / sum(spans)
+        per_step = [t for n, (t, _) in zip(spans, predicted, strict=True) for _ in range(n)]
+        step = statistics.median(per_step)
         sent = [sum(n * sum(b) for n, (_, b) in zip(spans, predicted, strict=True)) / sum(spans)]
     return 1000 * step, sum(sent) / 1e6
 
