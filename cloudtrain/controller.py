@@ -378,12 +378,17 @@ class Controller:
         return out
 
     def plan_for_links(
-        self, links: Mapping[str, tuple[float, float]], shard_numels: Sequence[int]
+        self,
+        links: Mapping[str, tuple[float, float]],
+        shard_numels: Sequence[int],
+        from_plan: bool = False,
     ) -> dict[str, str]:
         """By region name: the rung the cost model picks, under the guard's ceilings, were each
         region's link (`links[name]`: Mbit/s, round trip in ms - the whole link, which the
         region's shard owners share as they do in the estimates) as given and everything else as
-        measured (Planner.rungs_for): to check the plan in force against a known link."""
+        measured (Planner.rungs_for): to check the plan in force against a known link.
+        `from_plan`: what decisions from the plan in force would settle on (with hysteresis),
+        rather than the pick afresh."""
         missing = [name for name in self.topo.regions if name not in links]
         if missing:
             raise ValueError(f"plan_for_links: no link given for region(s) {missing}")
@@ -401,7 +406,8 @@ class Controller:
             bandwidth_in_range(links[n][0] * 1e6 / 8 / self.topo.shards) for n in self.topo.regions
         ]
         est.rtt = [links[n][1] / 1000 for n in self.topo.regions]
-        rungs = self.planner.rungs_for(est, shard_numels, self.guard)
+        current = self.rungs if from_plan else None
+        rungs = self.planner.rungs_for(est, shard_numels, self.guard, current)
         ladder = self.options.ladder
         return {name: describe(ladder[r]) for name, r in zip(self.topo.regions, rungs, strict=True)}
 

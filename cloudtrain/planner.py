@@ -248,15 +248,27 @@ class Planner:
         )
 
     def rungs_for(
-        self, est: Estimates, shard_numels: Sequence[int], guard: QualityGuard | None
+        self,
+        est: Estimates,
+        shard_numels: Sequence[int],
+        guard: QualityGuard | None,
+        current: Sequence[int] | None = None,
     ) -> list[int]:
         """The rungs the cost model picks from the estimates `est` alone, under the guard's
-        ceilings: no hysteresis and no measured plans, only the model - what the decisions
-        would settle on were `est` the truth (to check a run's plan against the true link)."""
+        ceilings, no measured plans, only the model (to check a run's plan against the true
+        link). Without `current`: its pick afresh, no hysteresis. With the rungs in force as
+        `current`: what decisions made one after another from them would settle on were `est`
+        the truth - hysteresis included, which keeps a rung whose neighbour is not clearly
+        better."""
         model = self._cost_model(est, {}, shard_numels, [0] * len(est.rtt))
         depths = self._guarded(model.useful_depths(self.allowed_staleness), guard)
         ceilings = None if guard is None else guard.ceilings
-        return plan_levels(model, depths=depths, ceilings=ceilings)[0]
+        if current is None:
+            return plan_levels(model, depths=depths, ceilings=ceilings)[0]
+        rungs, streak = list(current), [0] * len(current)
+        for _ in range(self.options.patience + 1):  # a lighter rung waits `patience` decisions
+            rungs, streak, _ = plan_levels(model, rungs, streak, depths, ceilings)
+        return rungs
 
     def _guard_step(
         self, now: Current, model: CostModel, interval: Interval, ran: tuple, depths: Sequence[int]

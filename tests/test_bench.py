@@ -254,6 +254,8 @@ def test_estimates_bench_reports_each_link_against_one_tcp_flow(tmp_path):
         assert 70 <= row["rtt_estimate_ms"] <= 100, row
         assert row["plan"] and row["true_link_plan"] in {describe(r) for r in LADDER}, row
         assert row["same_rung"] == (row["plan"].removesuffix(" + zstd") == row["true_link_plan"])
+        assert row["true_link_settled"] in {describe(r) for r in LADDER}, row
+        assert row["kept_rung"] == (row["plan"].removesuffix(" + zstd") == row["true_link_settled"])
         assert 0 < row["ready_s"] < 120, row
 
 

@@ -12,7 +12,9 @@ MLP. The table gives, by region, the controller's estimate of the link at the en
 which send at once) against that flow, its round trip against the one asked, the plan "auto"
 ended on (`stats().controller["plan"]`) against the rung the cost model picks for the link as it
 is (`Controller.plan_for_links`: the flow's rate shared by the region's senders, the asked round
-trip, everything else as measured), and the seconds from CloudDDP's construction to the end of
+trip, everything else as measured) - afresh, and where decisions from the plan in force would
+settle on that link (hysteresis keeps a rung whose neighbour is not clearly better, so a plan on
+the edge between two rungs is kept rather than missed) - and the seconds from CloudDDP's construction to the end of
 its first step. A link is tracked when its estimate is within 25 % of the flow's rate. Beside
 it, the region's two shard owners each run a flow at once to their counterparts
 (`Emulator.measure_flows`), summed: where one flow is held back by its own window (a send buffer
@@ -87,7 +89,9 @@ def _measure(args: argparse.Namespace, mbit: float, rtt_ms: float, progress: Any
         ratio = None if estimate is None or not flow[region] else estimate / flow[region]
         together = None if estimate is None or not flows[region] else estimate / flows[region]
         plan = (run.plan_by_region or {}).get(region)
+        rung = None if plan is None else plan.removesuffix(" + zstd")  # zstd: the link's choice
         true_plan = (run.true_link_plan or {}).get(region)
+        settled = (run.true_link_settled or {}).get(region)
         rows.append({
             "mbit": mbit, "rtt_ms": rtt_ms, "region": region, "flow_mbit": flow[region],
             "estimate_mbit": estimate, "ratio": ratio,
@@ -95,8 +99,8 @@ def _measure(args: argparse.Namespace, mbit: float, rtt_ms: float, progress: Any
             "flows_mbit": flows[region], "ratio_flows": together,
             "tracks_flows": together is not None and abs(together - 1) <= TOLERANCE,
             "rtt_estimate_ms": link.get("rtt_ms"), "plan": plan, "true_link_plan": true_plan,
-            # the rung (the zstd stage is the link's own choice, made from measured gains)
-            "same_rung": plan is not None and plan.removesuffix(" + zstd") == true_plan,
+            "true_link_settled": settled, "same_rung": rung is not None and rung == true_plan,
+            "kept_rung": rung is not None and rung == settled,
             "ready_s": run.ready_s, "step_ms": run.step_ms,
         })  # fmt: skip
     return rows
@@ -144,9 +148,22 @@ def print_table(report: dict[str, Any]) -> None:
             f"  {r['mbit']:6g} {r['rtt_ms']:4g} {r['region']:6} {r['flow_mbit']:8.1f} {est:>8} "
             f"{ratio:>6} {'ok' if r['tracks'] else 'MISS':6} {r['flows_mbit']:7.1f} {both:>6} "
             f"{'ok' if r['tracks_flows'] else 'MISS':6} {rtt:>7} {r['ready_s']:7.1f}  "
-            f"{r['plan']} ({'the same' if r['same_rung'] else r['true_link_plan']})"
+            f"{r['plan']} ({_against_true_link(r)})"
         )
     print(f"\nreport: {report['json']}")
+
+
+def _against_true_link(row: dict[str, Any]) -> str:
+    """The plan in force against the true link's: the same rung as the cost model's pick
+    afresh; else kept - where decisions from it on the true link would stay (hysteresis keeps
+    a rung whose neighbour is not clearly better: a pick on the edge between two); else the
+    rungs those would go to, and the pick afresh."""
+    if row["same_rung"]:
+        return "the same"
+    if row.get("kept_rung"):
+        return f"kept on the true link; afresh {row['true_link_plan']}"
+    settled, afresh = row.get("true_link_settled"), row["true_link_plan"]
+    return f"MISS: the true link settles on {settled}, afresh {afresh}"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

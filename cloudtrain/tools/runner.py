@@ -231,10 +231,11 @@ def _result(args: argparse.Namespace, ddp: Any, trainer: Any, step_times, curve,
                 true = {name: tuple(link) for name, link in json.loads(args.true_link).items()}
                 try:
                     plan = comm.controller.plan_for_links(true, comm.shard_numels())
+                    settled = comm.controller.plan_for_links(true, comm.shard_numels(), True)
                 except ValueError as e:  # a flow that carried nothing: no link to plan for
                     print(f"cloudtrain bench: {e}", file=sys.stderr)
-                    plan = None
-                result["true_link_plan"] = plan
+                    plan = settled = None
+                result["true_link_plan"], result["true_link_settled"] = plan, settled
             history, ladder = comm.controller.history, comm.controller.options.ladder
             result["plans"] = [(h["step"], h["levels"]) for h in history]
             # the plans in force and the steps they took effect at (a decision gathered at one
@@ -338,6 +339,9 @@ class Run:
     """The controller's plan in force at the end, by region (stats().controller["plan"])."""
     true_link_plan: dict | None = None
     """With --true-link: the cost model's rung for each region's link as it is."""
+    true_link_settled: dict | None = None
+    """With --true-link: the rung decisions from the plan in force would settle on, each
+    region's link as it is (hysteresis included)."""
     ready_s: float | None = None
     """Seconds from the wrapper's construction to the end of the first step."""
     memory: dict | None = None
@@ -466,6 +470,7 @@ def run_method(
         result.get("plan_history"),
         result.get("plan_by_region"),
         result.get("true_link_plan"),
+        result.get("true_link_settled"),
         result.get("ready_s"),
         result.get("memory"),
         result.get("per_rank", 0),
