@@ -36,7 +36,7 @@ from .compress.ladders import LADDER, OUTER_LADDER
 from .config import AUTO, CompressionConfig, ControllerOptions
 from .costs import CostModel, LinkEstimate, Ring, plain_seconds, plan_levels
 from .guard import first_ceiling
-from .outer import choose_schedule, fragment_exchange_seconds
+from .outer import SyncSetting, choose_schedule, fragment_exchange_seconds
 from .plan import Codecs, Rung, ceil_div, describe
 from .replan import LinkBook, PairLink
 
@@ -548,10 +548,10 @@ class _Context:
             cfg = dataclasses.replace(cfg, sync_every=sync_every)
         codecs = Codecs(CompressionConfig())
         ladder = OUTER_LADDER if cfg.codec == AUTO else ((cfg.codec, cfg.level),)
-        sched = choose_schedule(
-            setting.numel, setting.links, self.shards, self.compute + setting.intra_s, 1, 0,
-            codecs.wire_nbytes, cfg.sync_every, ladder,
-        )  # fmt: skip
+        sync = SyncSetting(
+            setting.numel, setting.links, self.shards, self.compute + setting.intra_s
+        )
+        sched = choose_schedule(sync, codecs.wire_nbytes, cfg.sync_every, ladder)
         step, wan = predict_outer(setting, sched.sync_every, sched.rungs)
         # the outer copy, its momentum, and the residuals (of a shard, unless sharded)
         state = (

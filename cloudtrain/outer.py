@@ -136,66 +136,81 @@ def fragment_exchange_seconds(link: LinkEstimate, nbytes: int, receivers: int) -
     return link.rtt + receivers * nbytes / link.bandwidth
 
 
+@dataclass(frozen=True)
+class SyncSetting:
+    """What choosing the outer loop's schedule needs: the model, its shard owners per region,
+    each region's link (by region index, as a shard owner sees it), an inner step's seconds,
+    the fragments that sync in turn, and the steps an exchange may overlap (0: it stalls)."""
+
+    numel: int
+    links: tuple[LinkEstimate, ...]
+    shards: int
+    step_s: float
+    fragments: int = 1
+    overlap: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "links", tuple(self.links))
+        if self.numel < 1 or not self.links or self.shards < 1 or self.fragments < 1:
+            raise ValueError("choose_schedule: numel, links, shards and fragments must be positive")
+        if self.overlap < 0:
+            raise ValueError(f"choose_schedule: overlap={self.overlap} must be 0 or more steps")
+        if not (math.isfinite(self.step_s) and self.step_s > 0):
+            raise ValueError(f"choose_schedule: step_s={self.step_s!r} must be a positive time")
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of one shard of the largest fragment."""
+        return ceil_div(ceil_div(self.numel, self.fragments), self.shards)
+
+    def budget(self, sync_every: int) -> float:
+        """Seconds one fragment's exchange may take at H = `sync_every`: with overlap, the tau
+        steps it hides behind, and the link must carry the F fragments' exchanges within H
+        steps; without, STALL_SHARE of the H/F steps between two syncs of any fragment."""
+        per_fragment = self.step_s * sync_every / self.fragments
+        if self.overlap:
+            return min(self.overlap * self.step_s, per_fragment)
+        return STALL_SHARE * per_fragment
+
+    def candidates(self, sync_every: int | str) -> list[int]:
+        """The H to try, smallest first: the one configured, or SYNC_CHOICES for "auto"; each
+        more than the overlap and at least one step a fragment."""
+        hs = [sync_every] if sync_every != AUTO else list(SYNC_CHOICES)
+        fit = [h for h in hs if h > self.overlap and h >= self.fragments]
+        return fit or [max(self.overlap + 1, self.fragments)]
+
+
 def choose_schedule(
-    numel: int,
-    links: Sequence[LinkEstimate],
-    shards: int,
-    step_s: float,
-    fragments: int,
-    overlap: int,
+    s: SyncSetting,
     wire_nbytes: Callable[[Rung, int], int],
     sync_every: int | str = AUTO,
     ladder: Sequence[Rung] = OUTER_LADDER,
 ) -> Schedule:
     """H and each region's codec for the outer exchange (module docstring): the smallest H, then
-    per region the least compression, such that every region's exchange of one fragment fits.
-    When none fits: the largest H, and per region the least compression whose exchange is within
-    one budget of the fastest rung's (compression that does not save time only costs accuracy).
-
-    Budget per exchange: with overlap, the tau steps it hides behind, and the link must carry the
-    F fragments' exchanges within H steps; without, STALL_SHARE of the H/F steps between two
-    syncs of any fragment."""
-    if numel < 1 or not links or shards < 1 or fragments < 1 or overlap < 0:
-        raise ValueError("choose_schedule: numel, links, shards and fragments must be positive")
-    if not (math.isfinite(step_s) and step_s > 0):
-        raise ValueError(f"choose_schedule: step_s={step_s!r} must be a positive time")
-    m = ceil_div(
-        ceil_div(numel, fragments), shards
-    )  # elements of one shard of the largest fragment
-    receivers = len(links) - 1
-    candidates = [sync_every] if sync_every != AUTO else list(SYNC_CHOICES)
-    candidates = [h for h in candidates if h > overlap and h >= fragments] or [
-        max(overlap + 1, fragments)
-    ]
+    per region the least compression, such that every region's exchange of one fragment fits
+    its budget (SyncSetting.budget). When none fits: the largest H, and per region the least
+    compression whose exchange is within one budget of the fastest rung's (compression that
+    does not save time only costs accuracy)."""
+    receivers = len(s.links) - 1
+    times = [
+        [fragment_exchange_seconds(link, wire_nbytes(rung, s.shard_numel), receivers)
+         for rung in ladder]
+        for link in s.links
+    ]  # fmt: skip
+    candidates = s.candidates(sync_every)
     for h in candidates:
-        if overlap:
-            budget = min(overlap * step_s, h * step_s / fragments)
-        else:
-            budget = STALL_SHARE * step_s * h / fragments
-        rungs: list[Rung] = []
-        worst = 0.0
-        for link in links:
-            for rung in ladder:
-                seconds = fragment_exchange_seconds(link, wire_nbytes(rung, m), receivers)
-                if seconds <= budget:
-                    rungs.append(rung)
-                    worst = max(worst, seconds)
-                    break
-        if len(rungs) == len(links):
-            return Schedule(h, tuple(rungs), worst, True)
+        budget = s.budget(h)
+        picks = [next((i for i, t in enumerate(ts) if t <= budget), None) for ts in times]
+        if None not in picks:
+            worst = max(ts[i] for ts, i in zip(times, picks, strict=True))
+            return Schedule(h, tuple(ladder[i] for i in picks), worst, True)
     # Nothing fits (the round trip alone may not): the largest H, and per region the least
     # compression within one budget of the fastest rung - more would cost accuracy, not time.
     h = candidates[-1]
-    budget = min(overlap, h) * step_s if overlap else STALL_SHARE * step_s * h / fragments
-    rungs, worst = [], 0.0
-    for link in links:
-        times = [
-            fragment_exchange_seconds(link, wire_nbytes(rung, m), receivers) for rung in ladder
-        ]
-        pick = next(i for i, t in enumerate(times) if t <= min(times) + budget)
-        rungs.append(ladder[pick])
-        worst = max(worst, times[pick])
-    return Schedule(h, tuple(rungs), worst, False)
+    budget = s.overlap * s.step_s if s.overlap else s.budget(h)
+    picks = [next(i for i, t in enumerate(ts) if t <= min(ts) + budget) for ts in times]
+    worst = max(ts[i] for ts, i in zip(times, picks, strict=True))
+    return Schedule(h, tuple(ladder[i] for i in picks), worst, False)
 
 
 class Fragments:
@@ -470,10 +485,10 @@ class OuterLoop:
         """H and each region's codec for `links` (by region index) and an inner step of
         `step_s` seconds (choose_schedule): as configured where not "auto"."""
         outer = self.outer
-        return choose_schedule(
-            self.numel, links, self.cut, step_s, self.fragments, outer.overlap,
-            self.codecs.wire_nbytes, outer.sync_every, self.ladder,
-        )  # fmt: skip
+        setting = SyncSetting(
+            self.numel, tuple(links), self.cut, step_s, self.fragments, outer.overlap
+        )
+        return choose_schedule(setting, self.codecs.wire_nbytes, outer.sync_every, self.ladder)
 
     def _delta(self, f: int, local: torch.Tensor) -> torch.Tensor:
         """Fragment f's pseudo-gradient, where the outer copy lives; scaled by the region's

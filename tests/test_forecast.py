@@ -47,7 +47,7 @@ def test_ddp_sends_the_ring_share_across_every_region_boundary():
 
 
 def test_modes_are_the_controllers_and_the_outer_loops_own_choices():
-    from cloudtrain.outer import choose_schedule
+    from cloudtrain.outer import SyncSetting, choose_schedule
     from cloudtrain.plan import Codecs, describe
 
     result = rows(forecast(MODEL, TWO, US_EU))
@@ -58,10 +58,8 @@ def test_modes_are_the_controllers_and_the_outer_loops_own_choices():
     from cloudtrain.costs import LinkEstimate
 
     per_owner = LinkEstimate(1000e6 / 8 / 16, 0.08)  # a region's link shared by its 16 owners
-    sched = choose_schedule(
-        int(1.3e9), [per_owner] * 2, 16, outer.compute_s + 2 * 5.2e9 / 12.5e9,
-        1, 0, Codecs(CompressionConfig()).wire_nbytes,
-    )  # fmt: skip
+    sync = SyncSetting(int(1.3e9), [per_owner] * 2, 16, outer.compute_s + 2 * 5.2e9 / 12.5e9)
+    sched = choose_schedule(sync, Codecs(CompressionConfig()).wire_nbytes)
     assert outer.detail == f"H={sched.sync_every}, " + ", ".join(describe(r) for r in sched.rungs)
     assert outer.config["outer"]["sync_every"] == sched.sync_every
     assert outer.wan_gb_per_1000 < guarded.wan_gb_per_1000 < result["DDP"].wan_gb_per_1000

@@ -17,7 +17,7 @@ from models import batch, make_model
 from cloudtrain import CompressionConfig
 from cloudtrain.config import OuterConfig
 from cloudtrain.costs import LinkEstimate
-from cloudtrain.outer import OUTER_LADDER, choose_schedule
+from cloudtrain.outer import OUTER_LADDER, SyncSetting, choose_schedule
 
 HIDDEN = 32
 """The width of the outer loop's model (make_model(HIDDEN)): narrower than the per-step tests'."""
@@ -426,7 +426,7 @@ def nbytes(rung, m):
 
 
 def test_schedule_fast_link_smallest_h_no_compression():
-    s = choose_schedule(1_000_000, [LinkEstimate(1e10, 1e-4)] * 2, 2, 0.1, 1, 0, nbytes)
+    s = choose_schedule(SyncSetting(1_000_000, [LinkEstimate(1e10, 1e-4)] * 2, 2, 0.1), nbytes)
     assert (s.sync_every, s.rungs, s.fits) == (5, (("none", None),) * 2, True)
 
 
@@ -435,19 +435,14 @@ def test_schedule_slow_link_compresses_per_region_and_fits_the_budget():
         LinkEstimate(50e6 / 8, 0.18),
         LinkEstimate(1e9, 0.18),
     ]  # 50 Mbit/s out of region 0, fast out of 1
-    s = choose_schedule(1_400_000, links, 2, 0.05, 1, 0, nbytes)
+    s = choose_schedule(SyncSetting(1_400_000, links, 2, 0.05), nbytes)
     assert s.fits
     budget = 0.1 * 0.05 * s.sync_every
     assert s.exchange_s <= budget
     assert OUTER_LADDER.index(s.rungs[0]) > OUTER_LADDER.index(s.rungs[1])
     # one H smaller does not fit with any codec
     smaller = choose_schedule(
-        1_400_000,
-        links,
-        2,
-        0.05,
-        1,
-        0,
+        SyncSetting(1_400_000, links, 2, 0.05),
         nbytes,
         sync_every=[h for h in (5, 10, 20, 50, 100, 200) if h < s.sync_every][-1],
     )
@@ -456,9 +451,9 @@ def test_schedule_slow_link_compresses_per_region_and_fits_the_budget():
 
 def test_schedule_overlap_hides_exchange_in_tau_steps():
     links = [LinkEstimate(50e6 / 8, 0.18)] * 2
-    s = choose_schedule(1_400_000, links, 2, 0.05, 4, 5, nbytes)
+    s = choose_schedule(SyncSetting(1_400_000, links, 2, 0.05, fragments=4, overlap=5), nbytes)
     assert s.fits and s.exchange_s <= 5 * 0.05 and s.sync_every > 5
-    never = choose_schedule(1_400_000, links, 2, 0.05, 1, 1, nbytes)  # 50 ms < one RTT
+    never = choose_schedule(SyncSetting(1_400_000, links, 2, 0.05, overlap=1), nbytes)  # < 1 RTT
     assert not never.fits
     # the bytes take 6 of the 50 ms at top-k 10% + 4-bit; more compression would not be faster
     assert never.rungs[0] == ("topk>quant", (0.1, 4))
@@ -467,15 +462,17 @@ def test_schedule_overlap_hides_exchange_in_tau_steps():
 
 def test_schedule_round_trip_bound_link_compresses_only_what_saves_time():
     links = [LinkEstimate(1e10, 0.5)] * 2  # fast, far: the RTT alone exceeds every budget
-    s = choose_schedule(1_000_000, links, 1, 0.01, 1, 0, nbytes, sync_every=10)
+    s = choose_schedule(SyncSetting(1_000_000, links, 1, 0.01), nbytes, sync_every=10)
     assert not s.fits and s.rungs == (("none", None),) * 2
 
 
 def test_schedule_bad_inputs():
     with pytest.raises(ValueError, match="step_s"):
-        choose_schedule(10, [LinkEstimate(1e6, 0)], 1, 0.0, 1, 0, nbytes)
+        SyncSetting(10, [LinkEstimate(1e6, 0)], 1, 0.0)
     with pytest.raises(ValueError, match="positive"):
-        choose_schedule(0, [LinkEstimate(1e6, 0)], 1, 0.1, 1, 0, nbytes)
+        SyncSetting(0, [LinkEstimate(1e6, 0)], 1, 0.1)
+    with pytest.raises(ValueError, match="overlap=-1"):
+        SyncSetting(10, [LinkEstimate(1e6, 0)], 1, 0.1, overlap=-1)
 
 
 # -- errors --------------------------------------------------------------------------------------
