@@ -374,6 +374,9 @@ class Setting:
     """True where DDP's and HSDP's all-reduce go over gloo (CPU tensors: the bench), whose every
     message waits for its receiver's word (costs.Ring); on GPUs NCCL's ring pipelines without
     it."""
+    cpu_s: float = 0.0
+    """Seconds per step the codecs take where a region compresses (encode, decode, the guard's
+    statistics): small on GPUs, left at 0 by the planner; the bench gives what it measured."""
 
     @property
     def buckets(self) -> int:
@@ -386,7 +389,8 @@ class Setting:
     def cost_model(self, ladder: Sequence[Rung] = LADDER) -> CostModel:
         options = ControllerOptions(ladder=tuple(ladder))
         extra = [0.0 if name == "none" else self.intra_s for name, _ in ladder]
-        return CostModel(self.links, self.compute_s, self.shard_numels(), options,
+        cpu = [0.0 if name == "none" else self.cpu_s for name, _ in ladder]
+        return CostModel(self.links, self.compute_s, self.shard_numels(), options, cpu=cpu,
                          extra=extra, codecs=Codecs(CompressionConfig()))  # fmt: skip
 
 
@@ -419,9 +423,11 @@ def predict_ddp(
 def predict_rungs(s: Setting, rungs: Sequence[Rung]) -> tuple[float, list[float]]:
     """(step seconds, bytes each region sends across per step) of per-step CloudDDP sending
     these rungs (codec, level) by region, synchronous: compute, and what of the exchange does
-    not hide in compute - its round trip, its transfer and the dense reduction inside the region
-    that its packets need (costs.CostModel.rung_seconds, whose `extra` holds the reduction, so
-    that it is counted once). A plan that compresses nothing runs DDP's plain all-reduce over every rank
+    not hide in compute - its round trip, its transfer, the codecs' CPU and the dense reduction
+    inside the region that its packets need (costs.CostModel.rung_seconds, whose `extra` holds
+    the reduction, so that it is counted once). What may hide is the cost model's share of the
+    compute (`usable`) less a bucket's: the last bucket's exchange starts when the backward
+    ends, so a model of one bucket hides none. A plan that compresses nothing runs DDP's plain all-reduce over every rank
     (the hook's plain path): predicted as predict_ddp, its ring's bytes and time."""
     ladder = [("none", None), *dict.fromkeys(r for r in rungs if r[0] != "none")]
     at = [ladder.index(r) if r[0] != "none" else 0 for r in rungs]
@@ -431,8 +437,8 @@ def predict_rungs(s: Setting, rungs: Sequence[Rung]) -> tuple[float, list[float]
     exchange = max(
         model.rung_seconds(lk, r, 0, plain=False) for lk, r in zip(model.links, at, strict=True)
     )
-    exposed = max(exchange - model.usable, 0.0)
-    step = s.compute_s + exposed
+    hidden = model.usable * (1 - 1 / model.buckets)
+    step = s.compute_s + max(exchange - hidden, 0.0)
     return step, [s.shards * model.sizes[r] for r in at]
 
 

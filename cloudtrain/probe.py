@@ -202,73 +202,88 @@ def _measure(
     under SLOW_READING of a smaller one's rate (`_reference`). A size's repeats go under one
     announcement: dst posts the next receive before it acks the last."""
     me = _rank_and_size(group)[0]
+    if me == src:
+        return _send_sizes(dst, group, max_seconds, max_bytes, repeats, start)
+    if me == dst:
+        _answer_sizes(src, group, max_bytes, max(repeats, 2))
+    return []
+
+
+def _send_sizes(
+    dst: int, group: Any, max_seconds: float, max_bytes: int, repeats: int, start: int
+) -> list[tuple[int, float]]:
+    """_measure's sender: the warm-up, the growing sizes, the repeats, then the end."""
     header = torch.zeros(2, dtype=torch.int64)  # a message's size, and how many times it goes
     ack = torch.zeros(1, dtype=torch.uint8)
-    most = max(repeats, 2)  # messages of one announcement
     samples: list[tuple[int, float]] = []
-    if me == src:
-        payload = torch.zeros(max_bytes, dtype=torch.uint8)
-        args = (payload, header, ack, dst, group)
-        # A connection that has carried little is still in TCP slow start, and across a long
-        # round trip that would make every small message look slower: a warm-up transfer first,
-        # not a sample, whose rate (a floor: slow start is in it) sizes the first timed message.
-        # Every size's announcement is a one-byte ping: they time the round trip alone (a
-        # fresh connection's first messages can be slow: the fastest counts). Pings of their
-        # own would cost two round trips each and time nothing more.
-        announced, (warm, took) = _timed(min(WARMUP_BYTES, max_bytes), 1, *args)
-        samples.append(announced)
-        rtt = announced[1]
-        rate = warm / max(took - rtt, 1e-9)  # the last size's (first, the warm-up's), bytes/s
-        before = [(warm, took)]  # (bytes, seconds) of the warm-up and the sizes leading up
+    payload = torch.zeros(max_bytes, dtype=torch.uint8)
+    args = (payload, header, ack, dst, group)
+    # A connection that has carried little is still in TCP slow start, and across a long
+    # round trip that would make every small message look slower: a warm-up transfer first,
+    # not a sample, whose rate (a floor: slow start is in it) sizes the first timed message.
+    # Every size's announcement is a one-byte ping: they time the round trip alone (a
+    # fresh connection's first messages can be slow: the fastest counts). Pings of their
+    # own would cost two round trips each and time nothing more.
+    announced, (warm, took) = _timed(min(WARMUP_BYTES, max_bytes), 1, *args)
+    samples.append(announced)
+    rtt = announced[1]
+    rate = warm / max(took - rtt, 1e-9)  # the last size's (first, the warm-up's), bytes/s
+    before = [(warm, took)]  # (bytes, seconds) of the warm-up and the sizes leading up
+    target = max(max_seconds, 2 * rtt)
+    size = int(min(max(start, rate * target), max_bytes))
+    while True:
+        samples.extend(_timed(size, 1, *args))
+        rtt = min(rtt, samples[-2][1])
+        # the target from the fastest ping: the first waits for dst to reach the probe
+        # (0.35 s on 180 ms links), and a target from it asked for transfers twice too long
         target = max(max_seconds, 2 * rtt)
-        size = int(min(max(start, rate * target), max_bytes))
-        while True:
-            samples.extend(_timed(size, 1, *args))
-            rtt = min(rtt, samples[-2][1])
-            # the target from the fastest ping: the first waits for dst to reach the probe
-            # (0.35 s on 180 ms links), and a target from it asked for transfers twice too long
-            target = max(max_seconds, 2 * rtt)
-            transfer = samples[-1][1] - rtt
-            if transfer >= target or size * 2 > max_bytes:
-                break
-            rate = size / max(transfer, 1e-9)
-            before.append(samples[-1])
-            # at least twice the size, and what the rate it read would carry in GROWTH x the
-            # target (a rate read from a short message is low: its round trip and slow start
-            # weigh on it), within 8x
-            size = int(min(max(2 * size, min(8 * size, GROWTH * rate * target)), max_bytes))
-        slow = size / max(transfer, 1e-9) < SLOW_READING * _reference(before, rtt)
-        if slow and size * 2 <= max_bytes:
-            # slower than a size before it (or the warm-up, slow start and all) was: a message
-            # that overran the shaper's queue and spent its time recovering losses, which its
-            # repeats do alike. Twice that size instead, repeated (fit_measured: the best of the
-            # sizes repeated counts)
-            samples.extend(_timed(size * 2, most, *args))
-        elif repeats > 1:  # the size that shows bandwidth, again: its fastest counts
-            samples.extend(_timed(size, repeats - 1, *args))
-        header.zero_()  # the end
-        dist.send(header, group=group, group_dst=dst)
-    elif me == dst:
-        buf = torch.empty(max_bytes, dtype=torch.uint8)
-        while True:
-            dist.recv(header, group=group, group_src=src)
-            size, count = int(header[0]), int(header[1])
-            if size == 0:
-                break
-            if not (0 < size <= max_bytes and 0 < count <= most):
-                raise RuntimeError(
-                    f"cloudtrain probe: rank {src} announced {count} message(s) of {size} bytes "
-                    f"where 1 to {most} of 1 to {max_bytes} bytes were expected; every rank must "
-                    "run the same cloudtrain with the same probe options"
-                )
-            work = dist.irecv(buf[:size], group=group, group_src=src)
-            dist.send(ack, group=group, group_dst=src)  # posted
-            for left in range(count - 1, -1, -1):
-                work.wait()
-                if left:  # the next one's receive is posted before this one's ack leaves
-                    work = dist.irecv(buf[:size], group=group, group_src=src)
-                dist.send(ack, group=group, group_dst=src)
+        transfer = samples[-1][1] - rtt
+        if transfer >= target or size * 2 > max_bytes:
+            break
+        rate = size / max(transfer, 1e-9)
+        before.append(samples[-1])
+        # at least twice the size, and what the rate it read would carry in GROWTH x the
+        # target (a rate read from a short message is low: its round trip and slow start
+        # weigh on it), within 8x
+        size = int(min(max(2 * size, min(8 * size, GROWTH * rate * target)), max_bytes))
+    slow = size / max(transfer, 1e-9) < SLOW_READING * _reference(before, rtt)
+    if slow and size * 2 <= max_bytes:
+        # slower than a size before it (or the warm-up, slow start and all) was: a message
+        # that overran the shaper's queue and spent its time recovering losses, which its
+        # repeats do alike. Twice that size instead, repeated (fit_measured: the best of the
+        # sizes repeated counts)
+        samples.extend(_timed(size * 2, max(repeats, 2), *args))
+    elif repeats > 1:  # the size that shows bandwidth, again: its fastest counts
+        samples.extend(_timed(size, repeats - 1, *args))
+    header.zero_()  # the end
+    dist.send(header, group=group, group_dst=dst)
     return samples
+
+
+def _answer_sizes(src: int, group: Any, max_bytes: int, most: int) -> None:
+    """_measure's receiver: each announcement checked (a size of 1 to `max_bytes`, 1 to `most`
+    messages of it) before a receive is posted, each message acked, until the end."""
+    header = torch.zeros(2, dtype=torch.int64)
+    ack = torch.zeros(1, dtype=torch.uint8)
+    buf = torch.empty(max_bytes, dtype=torch.uint8)
+    while True:
+        dist.recv(header, group=group, group_src=src)
+        size, count = int(header[0]), int(header[1])
+        if size == 0:
+            break
+        if not (0 < size <= max_bytes and 0 < count <= most):
+            raise RuntimeError(
+                f"cloudtrain probe: rank {src} announced {count} message(s) of {size} bytes "
+                f"where 1 to {most} of 1 to {max_bytes} bytes were expected; every rank must "
+                "run the same cloudtrain with the same probe options"
+            )
+        work = dist.irecv(buf[:size], group=group, group_src=src)
+        dist.send(ack, group=group, group_dst=src)  # posted
+        for left in range(count - 1, -1, -1):
+            work.wait()
+            if left:  # the next one's receive is posted before this one's ack leaves
+                work = dist.irecv(buf[:size], group=group, group_src=src)
+            dist.send(ack, group=group, group_dst=src)
 
 
 def probe(

@@ -206,3 +206,31 @@ def test_over_gloo_every_step_of_a_ring_across_regions_waits_for_its_crossing_ho
     assert predict_ddp(gloo, 4, hsdp=True, units=2)[0] == pytest.approx(2 * (2 * rtt + rtt / 2))
     with pytest.raises(ValueError, match="Ring: 1 ranks in 1 regions"):
         Ring(1, 1)
+
+
+def test_per_step_rungs_hide_behind_compute_all_but_the_last_buckets_exchange():
+    """predict_rungs: the exchange (round trip, transfer, codecs' CPU, the dense reduction in
+    the region) past what hides in compute; the last bucket's starts when the backward ends, so
+    a model of one bucket hides none, and a plan that compresses nothing is DDP's ring."""
+    from cloudtrain.forecast import predict_rungs
+
+    owner = LinkEstimate(6.25e6, 0.08)  # 100 Mbit/s a region, 2 shard owners
+    four_bit = [("quant", 4)] * 2
+    one = Setting(1_000_000, 4, (owner, owner), 2, 0.1, 0.004)  # 4 MB: one 25 MB bucket
+    model = one.cost_model([("none", None), ("quant", 4)])
+    exchange = model.rung_seconds(owner, 1, 0, plain=False)
+    assert exchange == pytest.approx(0.08 + model.sizes[1] / 6.25e6 + 0.004)
+    assert predict_rungs(one, four_bit)[0] == pytest.approx(0.1 + exchange)
+    # the codecs' CPU counts where a region compresses
+    cpu = dataclasses.replace(one, cpu_s=0.003)
+    assert predict_rungs(cpu, four_bit)[0] == pytest.approx(0.1 + exchange + 0.003)
+    # 100 M parameters, 16 buckets: all but one bucket's share of the usable compute hides
+    many = dataclasses.replace(one, numel=100_000_000)
+    big = many.cost_model([("none", None), ("quant", 4)])
+    hidden = big.usable * (1 - 1 / 16)
+    assert big.buckets == 16 and hidden > 0
+    assert predict_rungs(many, four_bit)[0] == pytest.approx(
+        0.1 + big.rung_seconds(owner, 1, 0, plain=False) - hidden
+    )
+    # nothing compressed: the hook's plain all-reduce, DDP's ring
+    assert predict_rungs(one, [("none", None)] * 2) == predict_ddp(one, 4)

@@ -212,6 +212,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             "method": run.method,
             "label": LABELS.get(run.method, run.method),
             "step_ms": run.step_ms,
+            "mean_step_ms": _mean_ms(run, args.warmup),
             "x_compute": run.step_ms / compute.step_ms if compute else None,
             "x_ddp_unshaped": run.step_ms / baseline.step_ms if baseline else None,
             "staleness": run.staleness,
@@ -283,10 +284,13 @@ def _predict(
     links; None where the model has no such mode (PowerSGD, the loopback rows). Every row's
     all-reduce goes over gloo, whose messages wait for their receivers (Setting.handshake).
 
-    "auto" is predicted for each plan it ran: each counted step gets the prediction of the plan
-    in force. The row's step time is their median, as the measured one is the steps' median
-    (where plans differ severalfold in time, the mean is far from it); its bytes are their mean,
-    as the measured bytes are. Left out: zstd's gains (the planner predicts none) and the wire's
+    The planner predicts a step's mean (a run's time over its steps), so the prediction stands
+    beside the counted steps' mean (`mean_step_ms`), not their median (`step_ms`): where plans
+    differ severalfold in time, or the outer loop syncs one step in H, the median is an ordinary
+    step's. Its inputs are means too: the compute row's and DDP's unshaped step. "auto" is
+    predicted for each plan it ran, weighted by the counted steps each was in force, from the
+    row's measured dense reduction in the regions and its codecs' CPU (encode, decode, the
+    guard's statistics). Left out: zstd's gains (the planner predicts none) and the wire's
     framing - headers, acknowledgements, gloo's preamble, about 0.8 KB a packet - which the
     emulator counts.
 
@@ -307,21 +311,19 @@ def _predict(
         LinkEstimate(up[r] * 1e6 / 8 / shards, links.rtt_ms / 1000) for r in ("us", "eu")
     )
     stages = {k: v / 1000 for k, v in (run.comm_ms or {}).items()}
+    compute_s = _mean_ms(compute, counted[1]) / 1000
     if run.method in ("ddp", "fp16", "hsdp"):
-        compute_s = compute.step_ms / 1000
         setting = Setting(run.numel, world, per_owner, shards, compute_s, 0.0, handshake=True)
         hsdp = run.method == "hsdp"
         step, sent = predict_ddp(setting, 2 if run.method == "fp16" else 4, hsdp, run.units)
     elif run.outer_schedule is not None:
         h, rungs = run.outer_schedule
         intra = stages.get("allreduce", 0.0)
-        setting = Setting(
-            run.numel, world, per_owner, shards, compute.step_ms / 1000, intra, handshake=True
-        )
+        setting = Setting(run.numel, world, per_owner, shards, compute_s, intra, handshake=True)
         step, sent = predict_outer(setting, h, [(r[0], _level(r[1])) for r in rungs])
         steps, warmup = counted
         share = (steps // h - warmup // h + 1) * h / (steps - warmup)  # syncs run / syncs per H
-        base = compute.step_ms / 1000 + intra if ddp is None else ddp.step_ms / 1000
+        base = compute_s + intra if ddp is None else _mean_ms(ddp, warmup) / 1000
         step = base + (step - setting.compute_s - intra) * share
         sent = [b * share for b in sent]
     else:
@@ -330,17 +332,22 @@ def _predict(
         # exchange's model already counts
         reduce = stages.get("intra_reduce", 0.0)
         intra = reduce + min(stages.get("intra_gather", 0.0), reduce)
-        setting = Setting(
-            run.numel, world, per_owner, shards, compute.step_ms / 1000, intra, handshake=True
-        )
+        cpu = sum(stages.get(k, 0.0) for k in ("encode", "decode", "guard"))
+        setting = Setting(run.numel, world, per_owner, shards, compute_s, intra, True, cpu)
         sends = [(r[0], _level(r[1])) for r in run.sends or [["none", None]] * 2]
         plans = run.plan_history or [(0, sends)]
         spans = _spans([s for s, _ in plans], *counted)
         predicted = [predict_rungs(setting, [(c, _level(lv)) for c, lv in p]) for _, p in plans]
-        per_step = [t for n, (t, _) in zip(spans, predicted, strict=True) for _ in range(n)]
-        step = statistics.median(per_step)
+        step = sum(n * t for n, (t, _) in zip(spans, predicted, strict=True)) / sum(spans)
         sent = [sum(n * sum(b) for n, (_, b) in zip(spans, predicted, strict=True)) / sum(spans)]
     return 1000 * step, sum(sent) / 1e6
+
+
+def _mean_ms(run: Run, warmup: int) -> float:
+    """The mean of a run's counted steps (after `warmup`), ms: its time over its steps (its
+    median where it carries no step times)."""
+    times = run.step_times[warmup:] or run.step_times
+    return 1000 * statistics.fmean(times) if times else run.step_ms
 
 
 def _spans(starts: list[int], steps: int, warmup: int) -> list[int]:
@@ -403,7 +410,8 @@ def print_table(report: dict[str, Any]) -> None:
     )
     print(
         f"{'method':31} {'step ms':>8} {'x compute':>9} {'x DDP unshaped':>14} "
-        f"{'WAN MB/step':>11} {'staleness':>9} {metric:>8} {'predicted: ms':>13} {'MB/step':>8}"
+        f"{'WAN MB/step':>11} {'staleness':>9} {metric:>8} {'mean ms':>8} {'predicted: ms':>13} "
+        f"{'MB/step':>8}"
     )
     for row in report["rows"]:
         ratio = f"{row['x_compute']:9.2f}" if row["x_compute"] is not None else f"{'':>9}"
@@ -417,7 +425,8 @@ def print_table(report: dict[str, Any]) -> None:
             else f"{'-':>11}"
         )
         pred_ms, pred_mb = row.get("predicted_step_ms"), row.get("predicted_wan_mb_per_step")
-        predicted = "" if pred_ms is None else f" {pred_ms:13.1f} {pred_mb:8.3f}"
+        predicted = f" {row['mean_step_ms']:8.1f}" if "mean_step_ms" in row else ""
+        predicted += "" if pred_ms is None else f" {pred_ms:13.1f} {pred_mb:8.3f}"
         print(
             f"{row['label']:31} {row['step_ms']:8.1f} {ratio} {versus} {wan} {stale:>9} "
             + (
@@ -456,7 +465,8 @@ def print_sharded_table(report: dict[str, Any]) -> None:
     print(f"{report['model']}, {report['ranks']} ranks, {report['steps']} steps")
     print(
         f"{'method':36} {'step ms':>8} {'x HSDP':>7} {'WAN MB/step':>11} {'x fewer':>8} "
-        f"{'held MB':>8} {'peak RSS MB':>11} {'loss':>7} {'predicted: ms':>13} {'MB/step':>8}"
+        f"{'held MB':>8} {'peak RSS MB':>11} {'loss':>7} {'mean ms':>8} {'predicted: ms':>13} "
+        f"{'MB/step':>8}"
     )
     for row in report["rows"]:
         x = row.get("x_hsdp")
@@ -472,6 +482,7 @@ def print_sharded_table(report: dict[str, Any]) -> None:
             + (f"{held / 1e6:8.1f} " if held else f"{'':8} ")
             + (f"{rss / 1e6:11.0f} " if rss else f"{'':11} ")
             + f"{row['accuracy']:7.4f}"
+            + (f" {row['mean_step_ms']:8.1f}" if "mean_step_ms" in row else "")
             + ("" if pred_ms is None else f" {pred_ms:13.1f} {pred_mb:8.3f}")
         )
     for row in report["rows"]:
