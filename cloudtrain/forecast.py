@@ -17,8 +17,8 @@ Modes: DDP (a ring all-reduce across regions, fp32 and fp16; FSDP2 HSDP with `sh
 come only after a trial keeps quality; and with them), and the outer loop (by default diloco, H
 and codec as `sync_every="auto"` chooses them, and the diloco-4bit preset; any outer preset, H
 fixed or not, with `outer=`). What it leaves out: activations (give `activation_gb`), overlap of
-the all-reduce with backward beyond the cost model's hidden share, stragglers, the CPU of the
-codecs (small on GPUs), quality (the outer loop changes the algorithm; docs/quality.md).
+the all-reduce with backward beyond the cost model's hidden share (less the last bucket's, which
+starts when the backward ends), stragglers, the CPU of the codecs (small on GPUs), quality (the outer loop changes the algorithm; docs/quality.md).
 """
 
 from __future__ import annotations
@@ -420,19 +420,24 @@ def predict_ddp(
     return s.compute_s + (intra if hsdp else 0.0) + exchange, [crossing] * regions
 
 
-def predict_rungs(s: Setting, rungs: Sequence[Rung]) -> tuple[float, list[float]]:
+def predict_rungs(
+    s: Setting, rungs: Sequence[Rung], sharded: bool = False
+) -> tuple[float, list[float]]:
     """(step seconds, bytes each region sends across per step) of per-step CloudDDP sending
     these rungs (codec, level) by region, synchronous: compute, and what of the exchange does
     not hide in compute - its round trip, its transfer, the codecs' CPU and the dense reduction
     inside the region that its packets need (costs.CostModel.rung_seconds, whose `extra` holds
     the reduction, so that it is counted once). What may hide is the cost model's share of the
     compute (`usable`) less a bucket's: the last bucket's exchange starts when the backward
-    ends, so a model of one bucket hides none. A plan that compresses nothing runs DDP's plain all-reduce over every rank
-    (the hook's plain path): predicted as predict_ddp, its ring's bytes and time."""
+    ends, so a model of one bucket (of BUCKET_BYTES: torch's smaller first bucket is not
+    counted) hides none. The controller's decisions (costs.plan_levels) fit a rung to the whole
+    share; this is the step they lead to. A plan that compresses nothing runs the plain path:
+    DDP's all-reduce over every rank, or with `sharded` FSDP2's reduction in the region and an
+    exchange of the shards across (predicted as HSDP's): predict_ddp, its bytes and time."""
     ladder = [("none", None), *dict.fromkeys(r for r in rungs if r[0] != "none")]
     at = [ladder.index(r) if r[0] != "none" else 0 for r in rungs]
     if not any(at):
-        return predict_ddp(s, 4)
+        return predict_ddp(s, 4, hsdp=sharded)
     model = s.cost_model(ladder)
     exchange = max(
         model.rung_seconds(lk, r, 0, plain=False) for lk, r in zip(model.links, at, strict=True)
@@ -539,7 +544,7 @@ class _Context:
             ("sparse rungs kept", len(LADDER) - 1),
         ):
             rungs, _, _ = plan_levels(model, ceilings=[ceiling] * len(model.links))
-            step, wan = predict_rungs(setting, [LADDER[r] for r in rungs])
+            step, wan = predict_rungs(setting, [LADDER[r] for r in rungs], self.workload.shard)
             levels = ", ".join(describe(LADDER[r]) for r in rungs)
             config = CompressionConfig().to_dict()
             rows.append(self.row(f'per-step "auto" ({label})', config, step, wan, mem, levels))

@@ -143,7 +143,7 @@ class SyncSetting:
     the fragments that sync in turn, and the steps an exchange may overlap (0: it stalls)."""
 
     numel: int
-    links: tuple[LinkEstimate, ...]
+    links: Sequence[LinkEstimate]
     shards: int
     step_s: float
     fragments: int = 1
@@ -152,11 +152,11 @@ class SyncSetting:
     def __post_init__(self) -> None:
         object.__setattr__(self, "links", tuple(self.links))
         if self.numel < 1 or not self.links or self.shards < 1 or self.fragments < 1:
-            raise ValueError("choose_schedule: numel, links, shards and fragments must be positive")
+            raise ValueError("SyncSetting: numel, links, shards and fragments must be positive")
         if self.overlap < 0:
-            raise ValueError(f"choose_schedule: overlap={self.overlap} must be 0 or more steps")
+            raise ValueError(f"SyncSetting: overlap={self.overlap} must be 0 or more steps")
         if not (math.isfinite(self.step_s) and self.step_s > 0):
-            raise ValueError(f"choose_schedule: step_s={self.step_s!r} must be a positive time")
+            raise ValueError(f"SyncSetting: step_s={self.step_s!r} must be a positive time")
 
     @property
     def shard_numel(self) -> int:
@@ -207,6 +207,7 @@ def choose_schedule(
     # Nothing fits (the round trip alone may not): the largest H, and per region the least
     # compression within one budget of the fastest rung - more would cost accuracy, not time.
     h = candidates[-1]
+    # with overlap, the tau steps it hides behind, not capped by the link's share of H here
     budget = s.overlap * s.step_s if s.overlap else s.budget(h)
     picks = [next(i for i, t in enumerate(ts) if t <= min(ts) + budget) for ts in times]
     worst = max(ts[i] for ts, i in zip(times, picks, strict=True))

@@ -18,7 +18,7 @@ from support import EMULATOR_MACHINE, skip_or_fail
 from cloudtrain.config import LADDER
 from cloudtrain.plan import describe
 from cloudtrain.tools import netem
-from cloudtrain.tools.bench import SCENARIOS, _predict, _spans
+from cloudtrain.tools.bench import SCENARIOS, _mean_ms, _predict, _spans
 from cloudtrain.tools.runner import Run
 
 pytestmark = pytest.mark.timeout(420)
@@ -113,6 +113,35 @@ def test_auto_counts_the_gather_in_its_region_at_most_as_long_as_the_reduce():
 
     assert predict(5.0, 30.0) == pytest.approx(predict(5.0, 5.0))
     assert predict(5.0, 2.0) == pytest.approx(predict(5.0, 5.0) - 3.0)
+
+
+def test_auto_takes_its_stages_from_the_compressed_steps_and_its_codecs_cpu():
+    """A row's stages are per step of the whole run, and ran only where the plan compressed:
+    plain for 30 of 60 steps, a stage of 2.5 ms a step is 5 ms a compressed step. The codecs'
+    encode, decode and guard stages count where a region compresses."""
+    compute = Run("compute", 10.0, None, 0.9, [], None, [])
+    plain, quant = [["none", None]] * 2, [["quant", 4]] * 2
+
+    def predict(stages, history):
+        run = Run("cloud-auto", 100.0, 0, 0.9, [], None, [], stages, numel=1_000_000,
+                  plan_history=history)  # fmt: skip
+        return _predict(run, compute, None, SCENARIOS["wan"], "emulated", (60, 0))[0]
+
+    def even(ms):
+        return {"intra_reduce": ms, "intra_gather": ms}
+
+    half = [(0, plain), (30, quant)]
+    assert predict(even(2.5), half) == pytest.approx(
+        (30 * predict({}, [(0, plain)]) + 30 * predict(even(5.0), [(0, quant)])) / 60
+    )
+    codecs = {"encode": 2.0, "decode": 0.5, "guard": 0.5}
+    assert predict(codecs, [(0, quant)]) == pytest.approx(predict({}, [(0, quant)]) + 3.0)
+
+
+def test_predictions_stand_beside_the_mean_of_the_counted_steps():
+    run = Run("ddp", 20.0, None, 0.9, [], None, [0.5, 0.01, 0.02, 0.03])
+    assert _mean_ms(run, 1) == pytest.approx(20.0)  # the warm-up's 0.5 s left out
+    assert _mean_ms(Run("ddp", 7.0, None, 0.9, [], None, []), 1) == 7.0  # no steps: the median
 
 
 def test_a_drop_the_run_does_not_reach_is_refused_before_anything_runs():

@@ -330,17 +330,26 @@ def _predict(
         # the gather moves back what the reduce moved; where it took longer, it was waiting for
         # the region's other owner's packet (an uplink two owners share unevenly), which the
         # exchange's model already counts
-        reduce = stages.get("intra_reduce", 0.0)
-        intra = reduce + min(stages.get("intra_gather", 0.0), reduce)
-        cpu = sum(stages.get(k, 0.0) for k in ("encode", "decode", "guard"))
-        setting = Setting(run.numel, world, per_owner, shards, compute_s, intra, True, cpu)
         sends = [(r[0], _level(r[1])) for r in run.sends or [["none", None]] * 2]
         plans = run.plan_history or [(0, sends)]
+        # the stages are per step of the whole run; they ran in its compressed steps only
+        ran = _spans([s for s, _ in plans], counted[0], 0)
+        packed = sum(n for n, (_, p) in zip(ran, plans, strict=True) if _compresses(p))
+        scale = counted[0] / packed if packed else 1.0
+        reduce = scale * stages.get("intra_reduce", 0.0)
+        intra = reduce + min(scale * stages.get("intra_gather", 0.0), reduce)
+        cpu = scale * sum(stages.get(k, 0.0) for k in ("encode", "decode", "guard"))
+        setting = Setting(run.numel, world, per_owner, shards, compute_s, intra, True, cpu)
         spans = _spans([s for s, _ in plans], *counted)
         predicted = [predict_rungs(setting, [(c, _level(lv)) for c, lv in p]) for _, p in plans]
         step = sum(n * t for n, (t, _) in zip(spans, predicted, strict=True)) / sum(spans)
         sent = [sum(n * sum(b) for n, (_, b) in zip(spans, predicted, strict=True)) / sum(spans)]
     return 1000 * step, sum(sent) / 1e6
+
+
+def _compresses(plan: list) -> bool:
+    """Whether a plan, (codec, level) by region, compresses anywhere (else the plain path)."""
+    return any(codec != "none" for codec, _ in plan)
 
 
 def _mean_ms(run: Run, warmup: int) -> float:

@@ -14,8 +14,8 @@ ended on (`stats().controller["plan"]`) against the rung the cost model picks fo
 is (`Controller.plan_for_links`: the flow's rate shared by the region's senders, the asked round
 trip, everything else as measured) - afresh, and where decisions from the plan in force would
 settle on that link (hysteresis keeps a rung whose neighbour is not clearly better, so a plan on
-the edge between two rungs is kept rather than missed) - and the seconds from CloudDDP's construction to the end of
-its first step. A link is tracked when its estimate is within 25 % of the flow's rate. Beside
+the edge between two rungs is kept rather than missed) - and the seconds from CloudDDP's
+construction to the end of its first step. A link is tracked when its estimate is within 25 % of the flow's rate. Beside
 it, the region's two shard owners each run a flow at once to their counterparts
 (`Emulator.measure_flows`), summed: where one flow is held back by its own window (a send buffer
 under the link's bandwidth-delay product), that is what the region's senders carry, and the
