@@ -144,6 +144,23 @@ def test_predictions_stand_beside_the_mean_of_the_counted_steps():
     assert _mean_ms(Run("ddp", 7.0, None, 0.9, [], None, []), 1) == 7.0  # no steps: the median
 
 
+def test_a_run_whose_links_fall_is_predicted_phase_by_phase():
+    """The drop scenario: its links at 1000 Mbit/s until --drop-at, at DROP_MBIT after; the
+    prediction is each phase's over its counted steps, weighted by them."""
+    from cloudtrain.tools.bench import DROP_MBIT, Scenario, _predict_phases
+
+    compute = Run("compute", 10.0, None, 0.9, [], None, [])
+    ddp = Run("ddp", 100.0, 0, 0.9, [], None, [], {}, numel=1_000_000)
+    drop = SCENARIOS["drop"]
+    fallen = Scenario(dict.fromkeys(drop.up, DROP_MBIT), dict.fromkeys(drop.up, DROP_MBIT))
+    before = _predict(ddp, compute, None, drop, "emulated", (100, 10))
+    after = _predict(ddp, compute, None, fallen, "emulated", (100, 10))
+    both = _predict_phases(ddp, compute, None, [(0, drop), (60, fallen)], "emulated", (100, 10))
+    assert after[0] > 10 * before[0]  # 50 Mbit/s against 1000
+    assert both[0] == pytest.approx((50 * before[0] + 40 * after[0]) / 90)
+    assert both[1] == pytest.approx(before[1])  # DDP's bytes do not depend on the link
+
+
 def test_a_drop_the_run_does_not_reach_is_refused_before_anything_runs():
     cmd = [sys.executable, "-m", "cloudtrain.tools.bench", "--scenario", "drop", "--steps", "60"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -93,6 +93,9 @@ class Scenario:
     rtt_ms: float = 0.0
 
 
+DROP_MBIT = 50.0
+"""What the drop scenario's links fall to at --drop-at, every region's."""
+
 SCENARIOS: dict[str, Scenario] = {
     "wan": Scenario({"us": 100.0, "eu": 100.0}, {"us": 100.0, "eu": 100.0}, 80.0),
     "unshaped": Scenario(None, None, 0.0),
@@ -195,7 +198,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                 if args.scenario == "drop" and method != "compute" and wan is not None:
                     for region, rate in (links.up or {}).items():  # back to before the drop
                         wan.set_rate(region, rate)
-                    drop = lambda: (wan.set_rate("us", 50.0), wan.set_rate("eu", 50.0))  # noqa: E731
+                    drop = lambda: [wan.set_rate(r, DROP_MBIT) for r in links.up or {}]  # noqa: E731
                 runs.append(run_method(method, args, wan, regions, progress, drop))
     finally:
         if wan is not None:
@@ -254,9 +257,13 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     if args.scenario == "drop" and compute:
         report["drop"] = _recovery(rows, compute.step_ms, args.drop_at, args.warmup)
     if compute is not None:
+        phases = [(0, links)]  # the links in force from a step on
+        if args.scenario == "drop":
+            fallen = dict.fromkeys(links.up or {}, DROP_MBIT)
+            phases.append((args.drop_at, Scenario(fallen, dict(fallen), links.rtt_ms)))
         for row, run in zip(rows, runs, strict=True):
-            row["predicted_step_ms"], row["predicted_wan_mb_per_step"] = _predict(
-                run, compute, baseline, links, wan, (args.steps, args.warmup)
+            row["predicted_step_ms"], row["predicted_wan_mb_per_step"] = _predict_phases(
+                run, compute, baseline, phases, wan, (args.steps, args.warmup)
             )
     name = f"bench-{'sharded-' if args.sharded else ''}{args.scenario}"
     stem = save_report(report, args.out, name).with_suffix("")
@@ -274,6 +281,33 @@ def _hetero_report(args: argparse.Namespace, report: dict[str, Any], network: st
                   else f"workload {args.workload}")  # fmt: skip
     save_report(report, args.out, f"bench-{args.scenario}")
     return report
+
+
+def _predict_phases(
+    run: Run,
+    compute: Run,
+    ddp: Run | None,
+    phases: list[tuple[int, Scenario]],
+    wan: Any,
+    counted: tuple[int, int],
+) -> tuple[float | None, float | None]:
+    """_predict over a run whose links change: each phase's (the links in force from a step
+    on; the drop scenario's fall) over its counted steps, weighted by them."""
+    steps, warmup = counted
+    ends = [start for start, _ in phases[1:]] + [steps]
+    parts = []
+    for (start, links), end in zip(phases, ends, strict=True):
+        begin = max(start, warmup)
+        if end > begin:
+            ms, mb = _predict(run, compute, ddp, links, wan, (end, begin))
+            if ms is None or mb is None:
+                return None, None
+            parts.append((end - begin, ms, mb))
+    counted_steps = sum(n for n, _, _ in parts)
+    return (
+        sum(n * ms for n, ms, _ in parts) / counted_steps,
+        sum(n * mb for n, _, mb in parts) / counted_steps,
+    )
 
 
 def _predict(
@@ -333,9 +367,10 @@ def _predict(
         sends = [(r[0], _level(r[1])) for r in run.sends or [["none", None]] * 2]
         plans = run.plan_history or [(0, sends)]
         # the stages are per step of the whole run; they ran in its compressed steps only
-        ran = _spans([s for s, _ in plans], counted[0], 0)
+        total = len(run.step_times) or counted[0]
+        ran = _spans([s for s, _ in plans], total, 0)
         packed = sum(n for n, (_, p) in zip(ran, plans, strict=True) if _compresses(p))
-        scale = counted[0] / packed if packed else 1.0
+        scale = total / packed if packed else 1.0
         reduce = scale * stages.get("intra_reduce", 0.0)
         intra = reduce + min(scale * stages.get("intra_gather", 0.0), reduce)
         cpu = scale * sum(stages.get(k, 0.0) for k in ("encode", "decode", "guard"))
