@@ -392,7 +392,10 @@ class Estimates:
     def observe_stages(self, stages: dict[str, float], ewma: float) -> None:
         """What the dense parts cost per step (rank 0's view), where the interval ran them. The
         plain all-reduce of an uncompressed interval is the "none" rung's measured time; it holds
-        until the links are found much faster than when it was measured."""
+        while the links stay within 2x of what they were when it was measured. Found much faster,
+        it overstates the plain path; found much slower (a link that fell), it understates it,
+        and held, it would send the plain path over a link it no longer fits: the cost model's
+        ring then stands for it until the plain path is measured again."""
         intra = stages.get("intra_reduce", 0.0) + stages.get("intra_gather", 0.0)
         if intra > 0:
             self.intra_s = smoothed(intra, self.intra_s, ewma)
@@ -401,7 +404,9 @@ class Estimates:
             # smoothed: one slow interval is noise, a drop shows at once
             self.allreduce_s = smoothed(stages["allreduce"], self.allreduce_s, ewma)
             self.allreduce_bw = slowest
-        elif self.allreduce_s is not None and slowest > 2 * self.allreduce_bw:
+        elif self.allreduce_s is not None and not (
+            self.allreduce_bw / 2 <= slowest <= 2 * self.allreduce_bw
+        ):
             self.allreduce_s = None
 
     def observe_unmodelled(self, compressed: float, model: float, ewma: float) -> None:

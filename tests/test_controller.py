@@ -511,3 +511,26 @@ def test_the_true_links_pick_afresh_and_what_decisions_from_the_plan_in_force_se
     assert settle(1000, 0.015, [none, bf16]) == [q4, q4]  # well behind: left at once
     assert settle(700, 0.015, [q8, q8]) == [q4, q4]  # slower links: 8-bit falls behind
     assert settle(1e5, 0.015, [q4, q4]) == [none, none]  # room to spare: lighter, in time
+
+
+def test_a_measured_plain_all_reduce_holds_only_while_the_links_stay_within_2x():
+    """The plain all-reduce's measured time stands for the "none" rung until the links are
+    found much faster or much slower than when it was measured. A link that fell from 1000 to
+    50 Mbit/s kept a 1000 Mbit/s measurement, and the controller sent the plain path over it
+    (the drop scenario: 10 steps of 1.1 s)."""
+    from cloudtrain.estimates import Estimates
+
+    def measured_at(mbit):
+        est = Estimates([mbit * 1e6 / 8] * 2, [0.0] * 2)
+        est.observe_stages({"allreduce": 0.04}, 0.5)
+        return est
+
+    def after(est, mbit):
+        est.bandwidth = [mbit * 1e6 / 8] * 2
+        est.observe_stages({"encode": 0.001}, 0.5)  # a compressed interval: no plain time
+        return est.allreduce_s
+
+    assert after(measured_at(500), 500) == 0.04
+    assert after(measured_at(500), 300) == 0.04  # within 2x: the measurement holds
+    assert after(measured_at(500), 25) is None  # the link fell
+    assert after(measured_at(500), 1100) is None  # the link is much faster
