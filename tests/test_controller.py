@@ -534,3 +534,21 @@ def test_a_measured_plain_all_reduce_holds_only_while_the_links_stay_within_2x()
     assert after(measured_at(500), 300) == 0.04  # within 2x: the measurement holds
     assert after(measured_at(500), 25) is None  # the link fell
     assert after(measured_at(500), 1100) is None  # the link is much faster
+
+
+def test_a_plan_that_takes_twice_as_long_as_before_drops_the_other_plans_times():
+    """A link that falls shows in the steps before a re-probe reads it: the plan in force takes
+    3x what it took, the estimates unchanged. The other plans' times are of before the fall
+    (the drop scenario took the plain path, measured at 1000 Mbit/s, as 'measured faster' and
+    sent it over 50 Mbit/s for 10 steps of 1.1 s)."""
+    from cloudtrain.estimates import Estimates
+
+    est = Estimates([60e6] * 2, [0.0] * 2, compute_s=0.08)
+    plain, eight = ((0, 0), 0), ((2, 2), 0)
+    est.observe_step(plain, 0.12, 0.5)
+    est.observe_step(eight, 0.11, 0.5)
+    est.observe_step(eight, 0.15, 0.5)  # within 2x: smoothed, the others kept
+    assert set(est.measured_steps) == {plain, eight}
+    assert est.measured_steps[eight][0] == pytest.approx(0.13)
+    est.observe_step(eight, 0.37, 0.5)  # the link fell
+    assert est.measured_steps == {eight: (0.37, 60e6, 0.08)}
