@@ -446,12 +446,13 @@ class Estimates:
         was measured at; measurements go when the slowest link or the compute time has changed
         by 2x since. Where the plan that ran took over twice (or under half) what it took
         before, something the estimates have not seen yet has changed (a link that fell shows in
-        the steps before a re-probe reads it): every other plan's time is of before, and goes."""
+        the steps before a re-probe reads it): every other plan's time is of before, and goes,
+        the plain all-reduce's (`allreduce_s`) with them."""
         compute, slowest = self.compute_s or 1.0, self.slowest
         if step_s is not None:
             old = self.measured_steps.get(plan)
             if old is not None and not 0.5 <= step_s / old[0] <= 2:
-                self.measured_steps, old = {}, None
+                self.measured_steps, self.allreduce_s, old = {}, None, None
             took = smoothed(step_s, None if old is None else old[0], ewma)
             self.measured_steps[plan] = (took, slowest, compute)
         self.measured_steps = {

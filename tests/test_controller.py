@@ -550,5 +550,6 @@ def test_a_plan_that_takes_twice_as_long_as_before_drops_the_other_plans_times()
     est.observe_step(eight, 0.15, 0.5)  # within 2x: smoothed, the others kept
     assert set(est.measured_steps) == {plain, eight}
     assert est.measured_steps[eight][0] == pytest.approx(0.13)
+    est.allreduce_s, est.allreduce_bw = 0.02, 60e6  # the plain path, measured before too
     est.observe_step(eight, 0.37, 0.5)  # the link fell
-    assert est.measured_steps == {eight: (0.37, 60e6, 0.08)}
+    assert est.measured_steps == {eight: (0.37, 60e6, 0.08)} and est.allreduce_s is None
