@@ -57,6 +57,13 @@ a few round trips and its transfers (0.5-1 s at 0-80 ms, 3-8 s at 180 ms on the 
 MAX_PROBE_EVERY = 8 * STALE_DECISIONS
 """The longest wait between re-probes, reached after one that agreed with the estimates."""
 
+MEASURED_DECISIONS = 6
+"""Decisions a plan's measured step time is compared for (Planner._measured_best): long enough to
+settle between plans tried one after another, short enough that where a link fell unseen by the
+estimates (until a re-probe confirms it) a plan measured before does not read fast for long - the
+drop scenario's plain path, measured at 1000 Mbit/s in the first steps, read faster than 8-bit
+over the fallen 50 Mbit/s link 60 steps later."""
+
 AGREES = 0.25
 """A re-probe within this share of a link's estimate agrees with it."""
 
@@ -279,8 +286,9 @@ class Estimates:
     """A whole step's seconds, smoothed (REPROBE_SHARE)."""
     zstd_gains: dict[tuple[int, int], ZstdGain] = field(default_factory=dict)
     """(region, rung) -> the smoothed gain of the zstd stage there."""
-    measured_steps: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
-    """(rungs, staleness) -> (step seconds, slowest link, compute) as measured."""
+    measured_steps: dict[tuple, tuple[float, float, float, int]] = field(default_factory=dict)
+    """(rungs, staleness) -> (step seconds, slowest link, compute) as measured, and the
+    decisions since (MEASURED_DECISIONS)."""
     throughput: list[float | None] = field(default_factory=list)
     """By rank: samples per second of its own compute (communication excluded), smoothed."""
 
@@ -443,22 +451,26 @@ class Estimates:
 
     def observe_step(self, plan: tuple, step_s: float | None, ewma: float) -> None:
         """The whole step time of the plan that ran (smoothed), kept with the link and compute it
-        was measured at; measurements go when the slowest link or the compute time has changed
-        by 2x since. Where the plan that ran took over twice (or under half) what it took
-        before, something the estimates have not seen yet has changed (a link that fell shows in
-        the steps before a re-probe reads it): every other plan's time is of before, and goes,
-        the plain all-reduce's (`allreduce_s`) with them."""
+        was measured at, one decision at a time; measurements go when the slowest link or the
+        compute time has changed by 2x since, or after MEASURED_DECISIONS decisions. Where the
+        plan that ran took over twice (or under half) what it took before, something the
+        estimates have not seen yet has changed (a link that fell shows in the steps before a
+        re-probe reads it): every other plan's time is of before, and goes, the plain
+        all-reduce's (`allreduce_s`) with them."""
         compute, slowest = self.compute_s or 1.0, self.slowest
+        aged = {p: (*m[:3], m[3] + 1) for p, m in self.measured_steps.items()}
         if step_s is not None:
-            old = self.measured_steps.get(plan)
+            old = aged.get(plan)
             if old is not None and not 0.5 <= step_s / old[0] <= 2:
-                self.measured_steps, self.allreduce_s, old = {}, None, None
+                aged, self.allreduce_s, old = {}, None, None
             took = smoothed(step_s, None if old is None else old[0], ewma)
-            self.measured_steps[plan] = (took, slowest, compute)
+            aged[plan] = (took, slowest, compute, 0)
         self.measured_steps = {
             p: m
-            for p, m in self.measured_steps.items()
-            if 0.5 <= m[1] / slowest <= 2 and 0.5 <= m[2] / compute <= 2
+            for p, m in aged.items()
+            if 0.5 <= m[1] / slowest <= 2
+            and 0.5 <= m[2] / compute <= 2
+            and m[3] <= MEASURED_DECISIONS
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -510,9 +522,9 @@ class Estimates:
                 for r, rung, ratio, encode, decode in state.get("zstd_gains", [])
             },
             {
-                (tuple(rungs), int(staleness)): (took, bandwidth, compute)
-                for rungs, staleness, took, bandwidth, compute in state.get("measured_steps", [])
-            },
+                (tuple(m[0]), int(m[1])): (m[2], m[3], m[4], int(m[5]) if len(m) > 5 else 0)
+                for m in state.get("measured_steps", [])
+            },  # (a state saved before the decisions since were kept: measured now)
             list(state.get("throughput", [])),
         )
 
