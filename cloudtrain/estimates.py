@@ -291,6 +291,8 @@ class Estimates:
     decisions since (MEASURED_DECISIONS)."""
     throughput: list[float | None] = field(default_factory=list)
     """By rank: samples per second of its own compute (communication excluded), smoothed."""
+    allreduce_age: int = 0
+    """Decisions since `allreduce_s` was last measured (MEASURED_DECISIONS)."""
 
     def __post_init__(self) -> None:
         regions = len(self.bandwidth)  # the per-region lists, one entry per region
@@ -400,8 +402,9 @@ class Estimates:
     def observe_stages(self, stages: dict[str, float], ewma: float) -> None:
         """What the dense parts cost per step (rank 0's view), where the interval ran them. The
         plain all-reduce of an uncompressed interval is the "none" rung's measured time; it holds
-        while the links stay within 2x of what they were when it was measured. Found much faster,
-        it overstates the plain path; found much slower (a link that fell), it understates it,
+        while the links stay within 2x of what they were when it was measured, and for
+        MEASURED_DECISIONS decisions, as a plan's step time does. Found much faster, it
+        overstates the plain path; found much slower (a link that fell), it understates it,
         and held, it would send the plain path over a link it no longer fits: the cost model's
         ring then stands for it until the plain path is measured again."""
         intra = stages.get("intra_reduce", 0.0) + stages.get("intra_gather", 0.0)
@@ -411,11 +414,12 @@ class Estimates:
         if stages.get("allreduce"):
             # smoothed: one slow interval is noise, a drop shows at once
             self.allreduce_s = smoothed(stages["allreduce"], self.allreduce_s, ewma)
-            self.allreduce_bw = slowest
-        elif self.allreduce_s is not None and not (
-            self.allreduce_bw / 2 <= slowest <= 2 * self.allreduce_bw
-        ):
-            self.allreduce_s = None
+            self.allreduce_bw, self.allreduce_age = slowest, 0
+        elif self.allreduce_s is not None:
+            self.allreduce_age += 1
+            moved = not self.allreduce_bw / 2 <= slowest <= 2 * self.allreduce_bw
+            if moved or self.allreduce_age > MEASURED_DECISIONS:
+                self.allreduce_s = None
 
     def observe_unmodelled(self, compressed: float, model: float, ewma: float) -> None:
         """A compressed interval's measured seconds per step against its model's."""
@@ -497,6 +501,7 @@ class Estimates:
                 for (rungs, staleness), m in self.measured_steps.items()
             ],
             "throughput": list(self.throughput),
+            "allreduce_age": self.allreduce_age,
         }
 
     @classmethod
@@ -526,6 +531,7 @@ class Estimates:
                 for m in state.get("measured_steps", [])
             },  # (a state saved before the decisions since were kept: measured now)
             list(state.get("throughput", [])),
+            allreduce_age=int(state.get("allreduce_age", 0)),
         )
 
     def copy(self) -> Estimates:

@@ -574,3 +574,19 @@ def test_a_measured_step_time_is_compared_for_measured_decisions_only():
     old = est.state_dict()
     old["measured_steps"] = [m[:5] for m in old["measured_steps"]]
     assert Estimates.from_state(old).measured_steps == {eight: (*est.measured_steps[eight][:3], 0)}
+
+
+def test_a_measured_plain_all_reduce_is_compared_for_measured_decisions_only():
+    """The plain path's measured time ages as a plan's step time does: the drop scenario's
+    plain path, measured at 1000 Mbit/s in the first steps, read 20 ms over the fallen link
+    while the estimates still held 447 Mbit/s, and the controller took it."""
+    from cloudtrain.estimates import MEASURED_DECISIONS, Estimates
+
+    est = Estimates([60e6] * 2, [0.0] * 2)
+    est.observe_stages({"allreduce": 0.02}, 0.5)
+    for _ in range(MEASURED_DECISIONS):
+        est.observe_stages({"encode": 0.001}, 0.5)
+    assert est.allreduce_s == 0.02 and est.allreduce_age == MEASURED_DECISIONS
+    assert Estimates.from_state(est.state_dict()).allreduce_age == MEASURED_DECISIONS
+    est.observe_stages({"encode": 0.001}, 0.5)
+    assert est.allreduce_s is None
