@@ -24,7 +24,7 @@ Per sender region (Kimad's rule, budget = bandwidth x time), with latency before
 Round trips are hidden by pipelining (cloudtrain.pipeline), not by compressing: a long round trip
 alone raises the staleness, never the compression. Without compression and without a pipeline a
 step's gradients cross as one plain all-reduce, which moves every byte twice; its measured time
-stands in where the last interval ran it. When no rung fits, more compression is worth its
+stands in while it is recent and the links are as they were (Estimates.observe_stages). When no rung fits, more compression is worth its
 accuracy only while it still makes the step faster: the lightest rung at most `slack` x compute
 time slower than the fastest. Rungs sparser than `min_density`, and above the quality guard's
 ceiling (cloudtrain.guard), are never taken.
@@ -127,8 +127,8 @@ def plain_seconds(
     measured: float | None = None,
     ring: Ring | None = None,
 ) -> float:
-    """A step's plain (ring) all-reduce of `nbytes` per sender; `measured` (where the last
-    interval ran it) replaces the model.
+    """A step's plain (ring) all-reduce of `nbytes` per sender; `measured` (where it was
+    measured recently, the links as they were: Estimates.observe_stages) replaces the model.
 
     `ring`: a sender puts 2 (ranks - 1) / ranks of its buffer on the link, in the ring's
     2 (ranks - 1) steps. Pipelined (NCCL), a bucket's latency is the longest chain of hops

@@ -58,11 +58,12 @@ MAX_PROBE_EVERY = 8 * STALE_DECISIONS
 """The longest wait between re-probes, reached after one that agreed with the estimates."""
 
 MEASURED_DECISIONS = 6
-"""Decisions a plan's measured step time is compared for (Planner._measured_best): long enough to
-settle between plans tried one after another, short enough that where a link fell unseen by the
-estimates (until a re-probe confirms it) a plan measured before does not read fast for long - the
-drop scenario's plain path, measured at 1000 Mbit/s in the first steps, read faster than 8-bit
-over the fallen 50 Mbit/s link 60 steps later."""
+"""Decisions after the one that measured it that a plan's step time reading faster than the plan
+in force is compared for (Planner._measured_best), and the plain all-reduce's time stands for:
+long enough to settle between plans tried one after another, short enough that where a link fell
+unseen by the estimates (until a re-probe confirms it) a time of before does not read fast for
+long - the drop scenario's plain path, measured at 1000 Mbit/s in the first steps, read faster
+than 8-bit over the fallen 50 Mbit/s link 60 steps later."""
 
 AGREES = 0.25
 """A re-probe within this share of a link's estimate agrees with it."""
@@ -406,7 +407,9 @@ class Estimates:
         MEASURED_DECISIONS decisions, as a plan's step time does. Found much faster, it
         overstates the plain path; found much slower (a link that fell), it understates it,
         and held, it would send the plain path over a link it no longer fits: the cost model's
-        ring then stands for it until the plain path is measured again."""
+        bound (costs.plain_seconds without a ring) then stands for it until the plain path is
+        measured again. observe_step drops it too, where the plan in force took twice its
+        time."""
         intra = stages.get("intra_reduce", 0.0) + stages.get("intra_gather", 0.0)
         if intra > 0:
             self.intra_s = smoothed(intra, self.intra_s, ewma)
@@ -419,7 +422,7 @@ class Estimates:
             self.allreduce_age += 1
             moved = not self.allreduce_bw / 2 <= slowest <= 2 * self.allreduce_bw
             if moved or self.allreduce_age > MEASURED_DECISIONS:
-                self.allreduce_s = None
+                self.allreduce_s, self.allreduce_age = None, 0
 
     def observe_unmodelled(self, compressed: float, model: float, ewma: float) -> None:
         """A compressed interval's measured seconds per step against its model's."""
@@ -453,29 +456,35 @@ class Estimates:
             if rate is not None:
                 self.throughput[rank] = smoothed(rate, self.throughput[rank], ewma)
 
-    def observe_step(self, plan: tuple, step_s: float | None, ewma: float) -> None:
+    def observe_step(self, plan: tuple, step_s: float | None, ewma: float) -> bool:
         """The whole step time of the plan that ran (smoothed), kept with the link and compute it
         was measured at, one decision at a time; measurements go when the slowest link or the
-        compute time has changed by 2x since, or after MEASURED_DECISIONS decisions. Where the
-        plan that ran took over twice (or under half) what it took before, something the
-        estimates have not seen yet has changed (a link that fell shows in the steps before a
+        compute time has changed by 2x since, or where, measured over MEASURED_DECISIONS
+        decisions before, they read faster than the plan that ran (a time of before that reads
+        fast is the hazard; a slower one kept does no harm, and dropped it would be tried again).
+        Where the plan that ran took over twice (or under half) what it took before, something
+        the estimates have not seen yet has changed (a link that fell shows in the steps before a
         re-probe reads it): every other plan's time is of before, and goes, the plain
-        all-reduce's (`allreduce_s`) with them."""
+        all-reduce's (`allreduce_s`) with them; returns True then, for a re-probe."""
         compute, slowest = self.compute_s or 1.0, self.slowest
         aged = {p: (*m[:3], m[3] + 1) for p, m in self.measured_steps.items()}
+        jumped = False
         if step_s is not None:
             old = aged.get(plan)
             if old is not None and not 0.5 <= step_s / old[0] <= 2:
-                aged, self.allreduce_s, old = {}, None, None
+                aged, self.allreduce_s, self.allreduce_age, old = {}, None, 0, None
+                jumped = True
             took = smoothed(step_s, None if old is None else old[0], ewma)
             aged[plan] = (took, slowest, compute, 0)
+        now = aged.get(plan)
         self.measured_steps = {
             p: m
             for p, m in aged.items()
             if 0.5 <= m[1] / slowest <= 2
             and 0.5 <= m[2] / compute <= 2
-            and m[3] <= MEASURED_DECISIONS
+            and not (m[3] > MEASURED_DECISIONS and now is not None and m[0] < now[0])
         }
+        return jumped
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -185,6 +185,12 @@ class Planner:
         if warm:  # (the first steps' compute is slow to warm up: not the ranks' throughput)
             est.observe_throughput(interval, opts.ewma)
         reprobe = est.observe_links(interval, warm, self.topo.shards, opts.ewma, now.interval)
+        # before the cost model is built: a plan in force that took twice its time drops the
+        # times measured before (the plain all-reduce's too) and asks for a re-probe
+        if step - now.start > FIRST_DECISION + opts.interval:  # not the plan's time yet
+            reprobe |= est.observe_step((tuple(ran[0]), ran[1]), interval.step_s, opts.ewma)
+        else:
+            est.observe_step((tuple(ran[0]), ran[1]), None, opts.ewma)
         stages = interval.stages if warm else {}
         est.observe_stages(stages, opts.ewma)
         model = self._cost_model(est, stages, shard_numels, ran[0])
@@ -197,10 +203,6 @@ class Planner:
         # a shallower pipeline one step at a time: each change of depth applies two steps'
         # gradients at once (or none), so it should not flap
         staleness = max(staleness, min(now.staleness - 1, max(depths)))
-        if step - now.start > FIRST_DECISION + opts.interval:  # not the plan's time yet
-            est.observe_step((tuple(ran[0]), ran[1]), interval.step_s, opts.ewma)
-        else:
-            est.observe_step((tuple(ran[0]), ran[1]), None, opts.ewma)
         rungs, streak, staleness = self._measured_best(
             est, rungs, streak, staleness, ceilings, depths
         )
