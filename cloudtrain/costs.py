@@ -24,10 +24,10 @@ Per sender region (Kimad's rule, budget = bandwidth x time), with latency before
 Round trips are hidden by pipelining (cloudtrain.pipeline), not by compressing: a long round trip
 alone raises the staleness, never the compression. Without compression and without a pipeline a
 step's gradients cross as one plain all-reduce, which moves every byte twice; its measured time
-stands in while it is recent and the links are as they were (Estimates.observe_stages). When no rung fits, more compression is worth its
-accuracy only while it still makes the step faster: the lightest rung at most `slack` x compute
-time slower than the fastest. Rungs sparser than `min_density`, and above the quality guard's
-ceiling (cloudtrain.guard), are never taken.
+stands in while it is recent and the links are as they were (Estimates.observe_stages). When no rung
+fits, more compression is worth its accuracy only while it still makes the step faster: the lightest
+rung at most `slack` x compute time slower than the fastest. Rungs sparser than `min_density`, and
+above the quality guard's ceiling (cloudtrain.guard), are never taken.
 """
 
 from __future__ import annotations

@@ -5,26 +5,25 @@
 
 For every rate and round trip of the grid, on the emulated network (2 regions x 2 ranks, both
 directions of each region's link at the rate): first one TCP flow each way between the regions
-(`Emulator.measure_mbit`, what a single connection carries there once out of its start: the
-link as a transfer sees it; FLOW_RTTS), then per-step "auto" for --steps steps of the bench's
-MLP. The table gives, by region, the controller's estimate of the link at the end
-(`stats().controller["links"]`: one sender's share times the region's senders, its shard owners,
-which send at once) against that flow, its round trip against the one asked, the plan "auto"
-ended on (`stats().controller["plan"]`) against the rung the cost model picks for the link as it
-is (`Controller.plan_for_links`: the flow's rate shared by the region's senders, the asked round
-trip, everything else as measured) - afresh, and where decisions from the plan in force would
-settle on that link (hysteresis keeps a rung whose neighbour is not clearly better, so a plan on
-the edge between two rungs is kept rather than missed) - and the seconds from CloudDDP's
-construction to the end of its first step. A link is tracked when its estimate is within 25 % of the flow's rate. Beside
-it, the region's two shard owners each run a flow at once to their counterparts
-(`Emulator.measure_flows`), summed: where one flow is held back by its own window (a send buffer
-under the link's bandwidth-delay product), that is what the region's senders carry, and the
-estimate is of them. These two are timed from each one's first byte, their starts in them: the
-senders start a process launch apart, and windows that each left out their own start would
-count the later sender alone at the end of its window over more of the sum (two flows read
-210.7-213 Mbit/s through 200 Mbit/s so). Where a start takes long (1000 Mbit/s at 180 ms:
-776-781 Mbit/s from the first byte, 992 once out of it) the two together read less than the
-one alone.
+(`Emulator.measure_mbit`, what a single connection carries there once out of its start: the link as
+a transfer sees it; FLOW_RTTS), then per-step "auto" for --steps steps of the bench's MLP. The table
+gives, by region, the controller's estimate of the link at the end (`stats().controller["links"]`:
+one sender's share times the region's senders, its shard owners, which send at once) against that
+flow, its round trip against the one asked, the plan "auto" ended on (`stats().controller["plan"]`)
+against the rung the cost model picks for the link as it is (`Controller.plan_for_links`: the flow's
+rate shared by the region's senders, the asked round trip, everything else as measured) - afresh,
+and where decisions from the plan in force would settle on that link (hysteresis keeps a rung whose
+neighbour is not clearly better, so a plan on the edge between two rungs is kept rather than
+missed), and the seconds from CloudDDP's construction to the end of its first step. A link is
+tracked when its estimate is within 25 % of the flow's rate. Beside it, the region's two shard
+owners each run a flow at once to their counterparts (`Emulator.measure_flows`), summed: where one
+flow is held back by its own window (a send buffer under the link's bandwidth-delay product), that
+is what the region's senders carry, and the estimate is of them. These two are timed from each one's
+first byte, their starts in them: the senders start a process launch apart, and windows that each
+left out their own start would count the later sender alone at the end of its window over more of
+the sum (two flows read 210.7-213 Mbit/s through 200 Mbit/s so). Where a start takes long (1000
+Mbit/s at 180 ms: 776-781 Mbit/s from the first byte, 992 once out of it) the two together read less
+than the one alone.
 """
 
 from __future__ import annotations
