@@ -486,9 +486,7 @@ class OuterLoop:
         """H and each region's codec for `links` (by region index) and an inner step of
         `step_s` seconds (choose_schedule): as configured where not "auto"."""
         outer = self.outer
-        setting = SyncSetting(
-            self.numel, tuple(links), self.cut, step_s, self.fragments, outer.overlap
-        )
+        setting = SyncSetting(self.numel, links, self.cut, step_s, self.fragments, outer.overlap)
         return choose_schedule(setting, self.codecs.wire_nbytes, outer.sync_every, self.ladder)
 
     def _delta(self, f: int, local: torch.Tensor) -> torch.Tensor:

@@ -186,11 +186,11 @@ class Planner:
             est.observe_throughput(interval, opts.ewma)
         reprobe = est.observe_links(interval, warm, self.topo.shards, opts.ewma, now.interval)
         # before the cost model is built: a plan in force that took twice its time drops the
-        # times measured before (the plain all-reduce's too) and asks for a re-probe
-        if step - now.start > FIRST_DECISION + opts.interval:  # not the plan's time yet
-            reprobe |= est.observe_step((tuple(ran[0]), ran[1]), interval.step_s, opts.ewma)
-        else:
-            est.observe_step((tuple(ran[0]), ran[1]), None, opts.ewma)
+        # times measured before (the plain all-reduce's too) and asks for a re-probe; in its
+        # first interval a plan's steps are not its own yet
+        due = step - now.start > FIRST_DECISION + opts.interval
+        ran_step = interval.step_s if due else None
+        reprobe |= est.observe_step((tuple(ran[0]), ran[1]), ran_step, opts.ewma)
         stages = interval.stages if warm else {}
         est.observe_stages(stages, opts.ewma)
         model = self._cost_model(est, stages, shard_numels, ran[0])

@@ -205,8 +205,14 @@ def _measure(
     if me == src:
         return _send_sizes(dst, group, max_seconds, max_bytes, repeats, start)
     if me == dst:
-        _answer_sizes(src, group, max_bytes, max(repeats, 2))
+        _answer_sizes(src, group, max_bytes, _most_announced(repeats))
     return []
+
+
+def _most_announced(repeats: int) -> int:
+    """How many messages one announcement may carry: a size's repeats, or two of twice a size
+    that read slow (the sender's bound and the receiver's check)."""
+    return max(repeats, 2)
 
 
 def _send_sizes(
@@ -252,7 +258,7 @@ def _send_sizes(
         # that overran the shaper's queue and spent its time recovering losses, which its
         # repeats do alike. Twice that size instead, repeated (fit_measured: the best of the
         # sizes repeated counts)
-        samples.extend(_timed(size * 2, max(repeats, 2), *args))
+        samples.extend(_timed(size * 2, _most_announced(repeats), *args))
     elif repeats > 1:  # the size that shows bandwidth, again: its fastest counts
         samples.extend(_timed(size, repeats - 1, *args))
     header.zero_()  # the end

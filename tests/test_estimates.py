@@ -11,6 +11,7 @@ import pytest
 
 from cloudtrain.estimates import (
     MAX_PROBE_EVERY,
+    MEASURED_DECISIONS,
     PROBE_EVERY,
     REPROBE_SHARE,
     STALE_DECISIONS,
@@ -188,3 +189,80 @@ def test_estimates_hold_one_entry_per_region():
     assert Estimates.from_state(old).fall == [None, None]
     with pytest.raises(ValueError, match="Estimates.rtt has 1 entries for 2 regions"):
         Estimates([None, None], [0.1])
+
+
+def test_a_measured_plain_all_reduce_holds_only_while_the_links_stay_within_2x():
+    """The plain all-reduce's measured time stands for the "none" rung until the links are
+    found much faster or much slower than when it was measured. A link that fell from 1000 to
+    50 Mbit/s kept a 1000 Mbit/s measurement, and the controller sent the plain path over it
+    (the drop scenario: 10 steps of 1.1 s)."""
+
+    def measured_at(mbit):
+        est = Estimates([mbit * 1e6 / 8] * 2, [0.0] * 2)
+        est.observe_stages({"allreduce": 0.04}, 0.5)
+        return est
+
+    def after(est, mbit):
+        est.bandwidth = [mbit * 1e6 / 8] * 2
+        est.observe_stages({"encode": 0.001}, 0.5)  # a compressed interval: no plain time
+        return est.allreduce_s
+
+    assert after(measured_at(500), 500) == 0.04
+    assert after(measured_at(500), 300) == 0.04  # within 2x: the measurement holds
+    assert after(measured_at(500), 25) is None  # the link fell
+    assert after(measured_at(500), 1100) is None  # the link is much faster
+
+
+def test_a_plan_that_takes_twice_as_long_as_before_drops_the_other_plans_times():
+    """A link that falls shows in the steps before a re-probe reads it: the plan in force takes
+    3x what it took, the estimates unchanged. The other plans' times are of before the fall
+    (the drop scenario took the plain path, measured at 1000 Mbit/s, as 'measured faster' and
+    sent it over 50 Mbit/s for 10 steps of 1.1 s)."""
+    est = Estimates([60e6] * 2, [0.0] * 2, compute_s=0.08)
+    plain, eight = ((0, 0), 0), ((2, 2), 0)
+    est.observe_step(plain, 0.12, 0.5)
+    est.observe_step(eight, 0.11, 0.5)
+    assert not est.observe_step(eight, 0.15, 0.5)  # within 2x: smoothed, the others kept
+    assert set(est.measured_steps) == {plain, eight}
+    assert est.measured_steps[eight][0] == pytest.approx(0.13)
+    est.allreduce_s, est.allreduce_bw = 0.02, 60e6  # the plain path, measured before too
+    assert est.observe_step(eight, 0.37, 0.5)  # the link fell: a re-probe is asked for
+    assert est.measured_steps == {eight: (0.37, 60e6, 0.08, 0)} and est.allreduce_s is None
+
+
+def test_a_measured_step_time_is_compared_for_measured_decisions_only():
+    """A plan's measured time ages a decision at a time and goes after MEASURED_DECISIONS: a
+    link that falls unseen by the estimates must not leave a plan of before reading fast."""
+    est = Estimates([60e6] * 2, [0.0] * 2, compute_s=0.08)
+    plain, eight = ((0, 0), 0), ((2, 2), 0)
+    four = ((3, 3), 0)
+    est.observe_step(four, 0.3, 0.5)
+    est.observe_step(plain, 0.12, 0.5)
+    for _ in range(MEASURED_DECISIONS):
+        assert not est.observe_step(eight, 0.2, 0.5)
+    assert est.measured_steps[plain][3] == MEASURED_DECISIONS  # still compared
+    est.observe_step(eight, 0.2, 0.5)
+    # a time of before that reads faster than the plan in force goes; a slower one stays (it
+    # does no harm, and dropped, the plan would be tried again)
+    assert set(est.measured_steps) == {eight, four}
+    # and it travels with the state (a state saved before ages were kept: measured now)
+    again = Estimates.from_state(est.state_dict())
+    assert again.measured_steps == est.measured_steps
+    old = est.state_dict()
+    old["measured_steps"] = [m[:5] for m in old["measured_steps"]]
+    loaded = Estimates.from_state(old).measured_steps
+    assert loaded == {p: (*m[:3], 0) for p, m in est.measured_steps.items()}
+
+
+def test_a_measured_plain_all_reduce_is_compared_for_measured_decisions_only():
+    """The plain path's measured time ages as a plan's step time does: the drop scenario's
+    plain path, measured at 1000 Mbit/s in the first steps, read 20 ms over the fallen link
+    while the estimates still held 447 Mbit/s, and the controller took it."""
+    est = Estimates([60e6] * 2, [0.0] * 2)
+    est.observe_stages({"allreduce": 0.02}, 0.5)
+    for _ in range(MEASURED_DECISIONS):
+        est.observe_stages({"encode": 0.001}, 0.5)
+    assert est.allreduce_s == 0.02 and est.allreduce_age == MEASURED_DECISIONS
+    assert Estimates.from_state(est.state_dict()).allreduce_age == MEASURED_DECISIONS
+    est.observe_stages({"encode": 0.001}, 0.5)
+    assert est.allreduce_s is None

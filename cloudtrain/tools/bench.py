@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..plan import Plan
 from . import estimates, hetero, quality
 from .runner import UNSHAPED_MBIT, Run, is_sharded, run_method, save_report, worker
 from .workloads import WORKLOADS
@@ -361,17 +362,17 @@ def _predict(
         step = base + (step - setting.compute_s - intra) * share
         sent = [b * share for b in sent]
     else:
-        # the gather moves back what the reduce moved; where it took longer, it was waiting for
-        # the region's other owner's packet (an uplink two owners share unevenly), which the
-        # exchange's model already counts
         sends = [(r[0], _level(r[1])) for r in run.sends or [["none", None]] * 2]
         plans = run.plan_history or [(0, sends)]
         # the stages are per step of the whole run; they ran in its compressed steps only
         total = len(run.step_times) or counted[0]
         ran = _spans([s for s, _ in plans], total, 0)
-        packed = sum(n for n, (_, p) in zip(ran, plans, strict=True) if _compresses(p))
+        packed = sum(n for n, (_, p) in zip(ran, plans, strict=True) if not _plan(p).lossless)
         scale = total / packed if packed else 1.0
         reduce = scale * stages.get("intra_reduce", 0.0)
+        # the gather moves back what the reduce moved; where it took longer, it was waiting for
+        # the region's other owner's packet (an uplink two owners share unevenly), which the
+        # exchange's model already counts
         intra = reduce + min(scale * stages.get("intra_gather", 0.0), reduce)
         cpu = scale * sum(stages.get(k, 0.0) for k in ("encode", "decode", "guard"))
         setting = Setting(run.numel, world, per_owner, shards, compute_s, intra, True, cpu)
@@ -382,9 +383,9 @@ def _predict(
     return 1000 * step, sum(sent) / 1e6
 
 
-def _compresses(plan: list) -> bool:
-    """Whether a plan, (codec, level) by region, compresses anywhere (else the plain path)."""
-    return any(codec != "none" for codec, _ in plan)
+def _plan(senders: list) -> Plan:
+    """A run's plan as reported, (codec, level) by region, as a Plan."""
+    return Plan(tuple((codec, _level(level)) for codec, level in senders))
 
 
 def _mean_ms(run: Run, warmup: int) -> float:
