@@ -294,6 +294,9 @@ class Estimates:
     """By rank: samples per second of its own compute (communication excluded), smoothed."""
     allreduce_age: int = 0
     """Decisions since `allreduce_s` was last measured (MEASURED_DECISIONS)."""
+    jumped: bool = False
+    """The plan in force took twice (or half) its time since the last re-probe (observe_step):
+    the links may have moved where the estimates have not seen it yet (`unsettled`)."""
 
     def __post_init__(self) -> None:
         regions = len(self.bandwidth)  # the per-region lists, one entry per region
@@ -317,6 +320,15 @@ class Estimates:
             LinkEstimate(b if b is not None else MAX_BANDWIDTH, r)
             for b, r in zip(self.bandwidth, self.rtt, strict=True)
         ]
+
+    @property
+    def unsettled(self) -> bool:
+        """Whether the estimates may be of before a change: a step-time jump, or a re-probe's
+        low reading (`fall`), not yet answered by a re-probe. Until then the controller takes no
+        lighter rung than the plan in force (Planner.decide): a link that fell shows in the
+        compressed steps' time first, which the cost model charges to compressed rungs only
+        (`unmodelled_s`), and the plain path at the old estimate would read the fastest."""
+        return self.jumped or any(f is not None for f in self.fall)
 
     @property
     def slowest(self) -> float:
@@ -394,7 +406,7 @@ class Estimates:
             self.bandwidth[r] = new
         self.since_probe, self.packet_rate = 0, [None] * len(self.bandwidth)
         self.packet_bytes = [0] * len(self.bandwidth)
-        self.probe_s = seconds
+        self.probe_s, self.jumped = seconds, False
         if not agreed:
             self.probe_every = STALE_DECISIONS
         elif not held:  # (a reading held in `fall` moved nothing: its confirmation judges it)
@@ -465,15 +477,16 @@ class Estimates:
         Where the plan that ran took over twice (or under half) what it took before, something
         the estimates have not seen yet has changed (a link that fell shows in the steps before a
         re-probe reads it): every other plan's time is of before, and goes, the plain
-        all-reduce's (`allreduce_s`) with them; returns True then, for a re-probe."""
+        all-reduce's (`allreduce_s`) with them; returns True then, for a re-probe, and the
+        estimates are `unsettled` until it comes."""
         compute, slowest = self.compute_s or 1.0, self.slowest
         aged = {p: (*m[:3], m[3] + 1) for p, m in self.measured_steps.items()}
-        jumped = False
+        jump = False
         if step_s is not None:
             old = aged.get(plan)
             if old is not None and not 0.5 <= step_s / old[0] <= 2:
                 aged, self.allreduce_s, self.allreduce_age, old = {}, None, 0, None
-                jumped = True
+                jump = self.jumped = True
             took = smoothed(step_s, None if old is None else old[0], ewma)
             aged[plan] = (took, slowest, compute, 0)
         now = aged.get(plan)
@@ -484,7 +497,7 @@ class Estimates:
             and 0.5 <= m[2] / compute <= 2
             and not (m[3] > MEASURED_DECISIONS and now is not None and m[0] < now[0])
         }
-        return jumped
+        return jump
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -511,6 +524,7 @@ class Estimates:
             ],
             "throughput": list(self.throughput),
             "allreduce_age": self.allreduce_age,
+            "jumped": self.jumped,
         }
 
     @classmethod
@@ -541,6 +555,7 @@ class Estimates:
             },  # (a state saved before the decisions since were kept: measured now)
             list(state.get("throughput", [])),
             allreduce_age=int(state.get("allreduce_age", 0)),
+            jumped=bool(state.get("jumped", False)),
         )
 
     def copy(self) -> Estimates:

@@ -128,6 +128,18 @@ def _record(
     }
 
 
+def _no_lighter(
+    rungs: Sequence[int], streak: Sequence[int], now: Sequence[int], ceilings: Sequence[int] | None
+) -> tuple[list[int], list[int]]:
+    """`rungs`, where one is lighter than the rung in force `now`, raised to it (within the
+    quality guard's `ceilings`), and its streak towards a lighter rung started again: while the
+    estimates are unsettled (Estimates.unsettled)."""
+    held = [max(r, n) for r, n in zip(rungs, now, strict=True)]
+    if ceilings is not None:
+        held = [min(h, c) for h, c in zip(held, ceilings, strict=True)]
+    return held, [0 if h != r else s for h, r, s in zip(held, rungs, streak, strict=True)]
+
+
 class Planner:
     """Rank 0's decision logic (module docstring): what is fixed for the run."""
 
@@ -206,6 +218,11 @@ class Planner:
         rungs, streak, staleness = self._measured_best(
             est, rungs, streak, staleness, ceilings, depths
         )
+        if est.unsettled:
+            held, streak = _no_lighter(rungs, streak, now.rungs, ceilings)
+            if held != list(rungs):
+                notes = [*notes, f"rungs {list(rungs)} held at {held}: a re-probe is awaited"]
+            rungs = held
         est.observe_zstd(interval, ran[0], opts.ewma)
         zstd = self._zstd(est, rungs, staleness, model)
         per_step = interval.step_s if interval.step_s is not None else model.compute_time

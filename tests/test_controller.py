@@ -511,3 +511,65 @@ def test_the_true_links_pick_afresh_and_what_decisions_from_the_plan_in_force_se
     assert settle(1000, 0.015, [none, bf16]) == [q4, q4]  # well behind: left at once
     assert settle(700, 0.015, [q8, q8]) == [q4, q4]  # slower links: 8-bit falls behind
     assert settle(1e5, 0.015, [q4, q4]) == [none, none]  # room to spare: lighter, in time
+
+
+def test_a_plan_in_force_that_took_three_times_as_long_holds_its_rung_until_a_reprobe():
+    """Planner.decide where a link fell and the estimates have not seen it (the drop scenario:
+    1000 -> 50 Mbit/s; 8-bit went from 110 to 370 ms a step, the estimates held ~500 Mbit/s
+    until two re-probes read the fall). The compressed stages' excess over their model is
+    charged to compressed rungs only, so at the old estimate the plain path reads the fastest
+    and the controller took it, 10 steps of 1.1 s. In the decision that sees the jump, the
+    times of before go, a re-probe is asked for, and no rung lighter than the plan in force is
+    taken until a re-probe answers; once one agrees with the estimates, the decisions are the
+    cost model's again."""
+    from cloudtrain.config import CompressionConfig
+    from cloudtrain.estimates import Estimates
+    from cloudtrain.plan import Codecs
+    from cloudtrain.planner import Current, Planner
+    from cloudtrain.topology import Topology
+
+    config = CompressionConfig()
+    ladder = config.controller.ladder
+    planner = Planner(
+        config, Codecs(config), Topology(0, 4, ("eu", "eu", "us", "us")), [0.0] * len(ladder)
+    )
+    none, q8 = ladder.index(LADDER[0]), ladder.index(LADDER[2])
+    est = Estimates([1000 * MBIT / 2] * 2, [0.0002] * 2, compute_s=0.08, intra_s=0.006)
+    est.observe_step(((q8, q8), 0), 0.11, 0.5)
+    est.allreduce_s, est.allreduce_bw = 0.02, est.slowest  # the plain path, measured before
+
+    def decide(step, now, step_s, stages, probed=None):
+        gathered = [
+            {"compute": [0.08] * 5, "steps": [step_s] * 5, "received": {}, "samples": []}
+            for _ in range(4)
+        ]
+        gathered[0].update(stage_seconds=stages, probed=probed, probe_s=0.5 if probed else 0.0)
+        return planner.decide(step, now, gathered, (now.rungs, 0), 0.001)
+
+    def decisions(est, hold=True):  # patience + 1 of them, each from the one before
+        now, made = Current([q8, q8], [0, 0], 0, est, None, [562_000] * 2, interval=5), []
+        for i in range(config.controller.patience + 1):
+            d = decide(100 + 5 * i, now, 0.37, fell)
+            made.append(d)
+            after = Estimates.from_state(d.estimates)
+            after.jumped = after.jumped and hold
+            now = Current(
+                list(d.rungs), list(d.streak), 0, after, None, now.shard_numels, interval=5
+            )
+        return made
+
+    fell = {"encode": 0.004, "exchange": 0.28, "decode": 0.004}  # 8-bit's packets, stuck
+    made = decisions(est.copy())
+    assert made[0].reprobe, "the jump asks for a re-probe"
+    assert all(d.rungs == (q8, q8) for d in made), [d.rungs for d in made]
+    notes = [n for d in made for n in d.record["guard_notes"]]
+    assert any("held at [2, 2]: a re-probe is awaited" in n for n in notes), notes
+    after = Estimates.from_state(made[-1].estimates)
+    assert after.unsettled and after.allreduce_s is None
+    # without the hold, the same decisions take the plain path: what the test guards against
+    assert decisions(est.copy(), hold=False)[-1].rungs == (none, none)
+    # a re-probe that agrees with the estimates settles them: the model decides again
+    agreeing = [[0.0, 1000 * MBIT], [1000 * MBIT, 0.0]]
+    now = Current([q8, q8], [0, 0], 0, after, None, [562_000] * 2, interval=5)
+    settled = decide(200, now, 0.37, fell, probed=agreeing)
+    assert not Estimates.from_state(settled.estimates).unsettled
