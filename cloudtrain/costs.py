@@ -75,11 +75,12 @@ def rung_bytes(
 ) -> int:
     """Bytes a sender puts on its link per step at this rung (Codecs.step_nbytes), with the
     codecs of the run's config (default: a default config's)."""
-    return (codecs or _default_codecs()).step_nbytes(rung, shard_numels, receivers)
+    return (codecs or default_codecs()).step_nbytes(rung, shard_numels, receivers)
 
 
 @functools.cache
-def _default_codecs() -> Codecs:
+def default_codecs() -> Codecs:
+    """A default config's codecs, made once (what the forecasts count with)."""
     return Codecs(CompressionConfig())
 
 
@@ -199,7 +200,7 @@ class CostModel:
             object.__setattr__(self, name, tuple(values))
         object.__setattr__(self, "links", tuple(self.links))
         object.__setattr__(self, "shard_numels", tuple(self.shard_numels))
-        object.__setattr__(self, "codecs", self.codecs or _default_codecs())
+        object.__setattr__(self, "codecs", self.codecs or default_codecs())
 
     @property
     def ladder(self) -> tuple[Rung, ...]:

@@ -35,10 +35,10 @@ from typing import Any
 
 from .compress.ladders import LADDER, OUTER_LADDER
 from .config import AUTO, CompressionConfig, ControllerOptions
-from .costs import CostModel, LinkEstimate, Ring, plain_seconds, plan_levels
+from .costs import CostModel, LinkEstimate, Ring, default_codecs, plain_seconds, plan_levels
 from .guard import first_ceiling
 from .outer import SyncSetting, choose_schedule, fragment_exchange_seconds
-from .plan import Codecs, Rung, ceil_div, describe
+from .plan import Rung, ceil_div, describe
 from .replan import LinkBook, PairLink
 
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -392,7 +392,7 @@ class Setting:
         extra = [0.0 if name == "none" else self.intra_s for name, _ in ladder]
         cpu = [0.0 if name == "none" else self.cpu_s for name, _ in ladder]
         return CostModel(self.links, self.compute_s, self.shard_numels(), options, cpu=cpu,
-                         extra=extra, codecs=Codecs(CompressionConfig()))  # fmt: skip
+                         extra=extra, codecs=default_codecs())  # fmt: skip
 
 
 def predict_ddp(
@@ -422,7 +422,7 @@ def predict_ddp(
 
 
 def predict_rungs(
-    s: Setting, rungs: Sequence[Rung], sharded: bool = False
+    s: Setting, rungs: Sequence[Rung], sharded: bool = False, zstd: Sequence[bool] = ()
 ) -> tuple[float, list[float]]:
     """(step seconds, bytes each region sends across per step) of per-step CloudDDP sending
     these rungs (codec, level) by region, synchronous: compute, and what of the exchange does
@@ -434,31 +434,43 @@ def predict_rungs(
     counted) hides none. The controller's decisions (costs.plan_levels) fit a rung to the whole
     share; this is the step they lead to. A plan that compresses nothing runs the plain path:
     DDP's all-reduce over every rank, or with `sharded` FSDP2's reduction in the region and an
-    exchange of the shards across (predicted as HSDP's): predict_ddp, its bytes and time."""
+    exchange of the shards across (predicted as HSDP's): predict_ddp, its bytes and time.
+    `zstd`, by region: its packets go through zstd (the plan's), which shrinks them by
+    Codecs.zstd_ratio (its CPU is the codecs', in `s.cpu_s`)."""
     ladder = [("none", None), *dict.fromkeys(r for r in rungs if r[0] != "none")]
     at = [ladder.index(r) if r[0] != "none" else 0 for r in rungs]
     if not any(at):
         return predict_ddp(s, 4, hsdp=sharded)
     model = s.cost_model(ladder)
-    exchange = max(
-        model.rung_seconds(lk, r, 0, plain=False) for lk, r in zip(model.links, at, strict=True)
+    zstd = list(zstd) or [False] * len(at)
+    ratios = [
+        default_codecs().zstd_ratio(ladder[r]) if z else 1.0 for r, z in zip(at, zstd, strict=True)
+    ]
+    exchange = max(  # a packet 1/q the size: its link time as on a link q times as fast
+        model.rung_seconds(LinkEstimate(lk.bandwidth * q, lk.rtt), r, 0, plain=False)
+        for lk, r, q in zip(model.links, at, ratios, strict=True)
     )
     hidden = model.usable * (1 - 1 / model.buckets)
     step = s.compute_s + max(exchange - hidden, 0.0)
-    return step, [s.shards * model.sizes[r] for r in at]
+    return step, [s.shards * model.sizes[r] / q for r, q in zip(at, ratios, strict=True)]
 
 
-def predict_outer(s: Setting, sync_every: int, rungs: Sequence[Rung]) -> tuple[float, list[float]]:
+def predict_outer(
+    s: Setting, sync_every: int, rungs: Sequence[Rung], zstd: bool = True
+) -> tuple[float, list[float]]:
     """(step seconds, bytes each region sends across per step) of the outer loop without
     overlap: inner steps reduce inside the region; every H steps a sync whose exchange (a round
-    trip and the packet to every other region, outer.fragment_exchange_seconds) stalls."""
-    codecs, receivers = Codecs(CompressionConfig()), len(s.links) - 1
+    trip and the packet to every other region, outer.fragment_exchange_seconds) stalls. Its
+    packets go through zstd unless the config says no (`zstd`), which shrinks them by
+    Codecs.zstd_ratio (its CPU, once per H steps, is left out)."""
+    codecs, receivers = default_codecs(), len(s.links) - 1
     m = ceil_div(s.numel, s.shards)
+    sizes = [codecs.wire_nbytes(r, m) / (codecs.zstd_ratio(r) if zstd else 1.0) for r in rungs]
     stall = max(
-        fragment_exchange_seconds(lk, codecs.wire_nbytes(r, m), receivers)
-        for lk, r in zip(s.links, rungs, strict=True)
+        fragment_exchange_seconds(lk, size, receivers)
+        for lk, size in zip(s.links, sizes, strict=True)
     )
-    wan = [s.shards * receivers * codecs.wire_nbytes(r, m) / sync_every for r in rungs]
+    wan = [s.shards * receivers * size / sync_every for size in sizes]
     return s.compute_s + s.intra_s + stall / sync_every, wan
 
 
@@ -558,7 +570,7 @@ class _Context:
         cfg = CompressionConfig.resolve(preset).outer
         if sync_every is not None:
             cfg = dataclasses.replace(cfg, sync_every=sync_every)
-        codecs = Codecs(CompressionConfig())
+        codecs = default_codecs()
         ladder = OUTER_LADDER if cfg.codec == AUTO else ((cfg.codec, cfg.level),)
         sync = SyncSetting(
             setting.numel, setting.links, self.shards, self.compute + setting.intra_s

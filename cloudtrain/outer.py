@@ -130,7 +130,7 @@ class Schedule:
         )  # fmt: skip
 
 
-def fragment_exchange_seconds(link: LinkEstimate, nbytes: int, receivers: int) -> float:
+def fragment_exchange_seconds(link: LinkEstimate, nbytes: float, receivers: int) -> float:
     """One fragment's exchange on a sender's link: a round trip plus its packet to every other
     region (the per-step exchange's model is cloudtrain.costs.exchange_seconds)."""
     return link.rtt + receivers * nbytes / link.bandwidth

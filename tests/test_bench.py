@@ -341,3 +341,21 @@ def test_sharded_rows_hsdp_against_cloudtrain_on_the_shaped_links(tmp_path):
     # every HSDP step waits for the regions' all-reduce, a round trip at least
     assert min(hsdp["step_times_ms"][2:]) >= 80, hsdp["step_times_ms"]
     assert abs(hsdp["predicted_wan_mb_per_step"] / hsdp["wan_mb_per_step"] - 1) < 0.1
+
+
+def test_auto_counts_zstd_where_its_plans_had_it_on():
+    """The runner reports each plan with its zstd stage by region; a plan with it on is
+    predicted with packets Codecs.zstd_ratio smaller (a report without it: none)."""
+    from cloudtrain.costs import default_codecs
+
+    compute, quant = Run("compute", 10.0, None, 0.9, [], None, []), [["quant", 4]] * 2
+
+    def predict(history):
+        run = Run("cloud-auto", 100.0, 0, 0.9, [], None, [], {}, numel=1_000_000,
+                  plan_history=history)  # fmt: skip
+        return _predict(run, compute, None, SCENARIOS["wan"], "emulated", (60, 10))
+
+    off, on = predict([(0, quant)]), predict([(0, quant, [True, True])])
+    assert predict([(0, quant, [False, False])]) == off
+    assert on[1] == pytest.approx(off[1] / default_codecs().zstd_ratio(("quant", 4)))
+    assert on[0] < off[0]

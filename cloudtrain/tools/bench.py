@@ -325,9 +325,10 @@ def _predict(
     step's. Its inputs are means too: the compute row's and DDP's unshaped step. "auto" is
     predicted for each plan it ran, weighted by the counted steps each was in force, from the
     row's measured dense reduction in the regions and its codecs' CPU (encode, decode, the
-    guard's statistics). Left out: zstd's gains (the planner predicts none) and the wire's
-    framing - headers, acknowledgements, gloo's preamble, about 0.8 KB a packet - which the
-    emulator counts.
+    guard's statistics). The outer loop's packets go through zstd, counted at its ratio on
+    normal values (Codecs.zstd_ratio). Left out: per-step "auto"'s zstd where the controller
+    turned it on, and the wire's framing - headers, acknowledgements, gloo's preamble, about
+    0.8 KB a packet - which the emulator counts.
 
     The outer loop's inner step is DDP's inside a region: its base is DDP's unshaped step (the
     all-reduce overlapping backward as DDP overlaps it) where the bench ran it. Its syncs are
@@ -363,11 +364,12 @@ def _predict(
         sent = [b * share for b in sent]
     else:
         sends = [(r[0], _level(r[1])) for r in run.sends or [["none", None]] * 2]
-        plans = run.plan_history or [(0, sends)]
+        # (step, senders, zstd by region; a report without the zstd: none)
+        plans = [(p[0], p[1], p[2] if len(p) > 2 else ()) for p in run.plan_history or [(0, sends)]]
         # the stages are per step of the whole run; they ran in its compressed steps only
         total = len(run.step_times) or counted[0]
-        ran = _spans([s for s, _ in plans], total, 0)
-        packed = sum(n for n, (_, p) in zip(ran, plans, strict=True) if not _plan(p).lossless)
+        ran = _spans([p[0] for p in plans], total, 0)
+        packed = sum(n for n, p in zip(ran, plans, strict=True) if not _plan(p[1]).lossless)
         scale = total / packed if packed else 1.0
         reduce = scale * stages.get("intra_reduce", 0.0)
         # the gather moves back what the reduce moved; where it took longer, it was waiting for
@@ -376,8 +378,10 @@ def _predict(
         intra = reduce + min(scale * stages.get("intra_gather", 0.0), reduce)
         cpu = scale * sum(stages.get(k, 0.0) for k in ("encode", "decode", "guard"))
         setting = Setting(run.numel, world, per_owner, shards, compute_s, intra, True, cpu)
-        spans = _spans([s for s, _ in plans], *counted)
-        predicted = [predict_rungs(setting, [(c, _level(lv)) for c, lv in p]) for _, p in plans]
+        spans = _spans([p[0] for p in plans], *counted)
+        predicted = [
+            predict_rungs(setting, [(c, _level(lv)) for c, lv in p], zstd=z) for _, p, z in plans
+        ]
         step = sum(n * t for n, (t, _) in zip(spans, predicted, strict=True)) / sum(spans)
         sent = [sum(n * sum(b) for n, (_, b) in zip(spans, predicted, strict=True)) / sum(spans)]
     return 1000 * step, sum(sent) / 1e6
