@@ -67,6 +67,20 @@ def calibrate(
     return time_rungs(codecs, options.ladder, numel, senders, device)
 
 
+def reprobe_start_bytes(est: Estimates, shards: int) -> int:
+    """The size a re-probe's timed messages start at: what shows the slowest link as estimated
+    (MIN_TRANSFER_S or two round trips of it, its `shards` owners' share together; never under
+    BURST_BYTES: smaller messages ride tbf-like token buckets at line rate; at most 16 MiB). While
+    the estimates are unsettled (a step-time jump or a low reading awaits this re-probe) they
+    may be of a link that fell: BURST_BYTES, and the probe's warm-up sizes the rest - on the
+    drop scenario's link (500 Mbit/s estimated, 50 there) a re-probe of messages sized for the
+    estimate held every rank 4.6 s."""
+    if est.unsettled:
+        return BURST_BYTES
+    shows = est.slowest * shards * max(MIN_TRANSFER_S, 2 * max(est.rtt))
+    return int(min(max(shows, BURST_BYTES), 1 << 24))
+
+
 class Controller:
     """Plans levels for CloudDDP's "auto" config (module docstring)."""
 
@@ -231,15 +245,13 @@ class Controller:
     def _reprobe(self) -> list[list[float]]:
         """A brief measurement of the links between regions (all ranks call; no gathering in
         flight), each way between every two regions at once as at start-up: bandwidth by
-        region. It starts at the size that shows the slowest link as estimated (never under
-        256 KiB: smaller messages ride tbf-like token buckets at line rate), and every rank
-        waits for it, so none sends across regions while it runs."""
-        topo, est = self.topo, self.estimates
-        shows = est.slowest * topo.shards * max(MIN_TRANSFER_S, 2 * max(est.rtt))
+        region. It starts at reprobe_start_bytes, and every rank waits for it, so none sends
+        across regions while it runs."""
+        topo = self.topo
         with self._lost_peer("the links' re-probe", self.next_due, time.perf_counter()):
             links = topo.measure(
                 self.own.group("control"), "links re-probed", across=True, repeats=2,
-                start_bytes=int(min(max(shows, BURST_BYTES), 1 << 24)),
+                start_bytes=reprobe_start_bytes(self.estimates, topo.shards),
             )  # fmt: skip
         self.probe_sent += links.sent  # taken by the hook between steps (take_probe_sent)
         leaders = [m[0] for m in topo.members]
