@@ -375,6 +375,8 @@ class Controller:
                 "unconfirmed_fall": {
                     name: 8 * f / 1e6 for name, f in zip(names, est.fall, strict=True) if f is not None
                 },
+                # a step-time jump or a low reading awaits a re-probe: no lighter rung until then
+                "unsettled": est.unsettled,
             },
             "guard": None if self.guard is None else self.guard.snapshot(names, ladder),
             "throughput": {
