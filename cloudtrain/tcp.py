@@ -7,12 +7,13 @@ one connection to about 250 Mbit/s at 80 ms and 100 Mbit/s at 180 ms, whatever t
 emulated 1000 Mbit/s link at 80 ms one flow carried 239 Mbit/s with it and 853-892 Mbit/s with
 WAN_TCP's buffers (200 Mbit/s at 180 ms: 89 against 162-168), flows of 4-6 s.
 
-WAN_TCP holds buffer ceilings with room for 1 Gbit/s at 180 ms and BBR congestion control (the
+WAN_TCP holds buffer ceilings with room for 1 Gbit/s at 180 ms, BBR congestion control (the
 default of the kernel docs/measurements.md was measured on; most distributions start with CUBIC,
-which halves its window at each loss). The Terraform's hosts get them at boot
+which halves its window at each loss) and no slow start after idle. The Terraform's hosts get them at boot
 (terraform/modules/region/main.tf, `host_tcp`), and so does every rank of the emulated network
 (cloudtrain.tools.netem). A host without the buffers is told so at start-up: `buffer_warning`
-names the links whose measured rate is what this host's buffers allow, and how to raise them.
+names the links whose measured rate is what this host's buffers allow, and how to raise them;
+one that restarts idle connections from the initial window is told IDLE_WARNING.
 """
 
 from __future__ import annotations
@@ -25,11 +26,16 @@ WAN_TCP = {
     "net.ipv4.tcp_rmem": "4096 131072 67108864",
     "net.ipv4.tcp_wmem": "4096 16384 67108864",
     "net.ipv4.tcp_congestion_control": "bbr",
+    "net.ipv4.tcp_slow_start_after_idle": "0",
 }
 """sysctl settings for the hosts of a run across regions. The buffers (min, default, max bytes):
 64 MiB, room for the bandwidth-delay product of 1 Gbit/s at 180 ms (22.5 MB) with the kernel's
 share of it; only the ceilings move, the kernel still sizes each connection's buffers to what it
-needs."""
+needs. No slow start after idle: Linux's default (1) sends a connection idle for longer than its
+retransmission timeout back to its initial window of 10 segments, and the outer loop's
+connections across regions idle for H inner steps between syncs - each sync's packet then took
+4-5 round trips to grow the window again (4-bit pseudo-gradients of the bench's MLP, 245 KB a
+shard owner: a sync of 0.8 s at 180 ms where its transfer takes 0.08 s)."""
 BUFFERS = ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem")
 """The keys of WAN_TCP that set the buffers."""
 
@@ -51,6 +57,25 @@ def buffer_ceilings(proc: Path = Path("/proc/sys/net/ipv4")) -> tuple[int, int] 
     except (OSError, IndexError, ValueError):
         return None
     return send, receive
+
+
+def restarts_after_idle(proc: Path = Path("/proc/sys/net/ipv4")) -> bool | None:
+    """Whether this host sends an idle TCP connection back to its initial window
+    (`net.ipv4.tcp_slow_start_after_idle` is not 0); None where it cannot be read (not Linux)."""
+    try:
+        return (proc / "tcp_slow_start_after_idle").read_text().strip() != "0"
+    except OSError:
+        return None
+
+
+IDLE_WARNING = (
+    "this host sends a TCP connection idle for longer than its retransmission timeout back to "
+    "its initial window (net.ipv4.tcp_slow_start_after_idle = 1): an exchange across regions "
+    "after an idle spell - every sync of the outer loop - grows its window again over several "
+    "round trips. Set it on every host: sudo sysctl -w net.ipv4.tcp_slow_start_after_idle=0, and "
+    "the same in /etc/sysctl.d/ to keep it (the Terraform's hosts boot with it)"
+)
+"""What a rank whose host restarts idle connections says at start-up (restarts_after_idle)."""
 
 
 def window_mbit(buffer_bytes: int, rtt_s: float) -> float:
@@ -94,3 +119,16 @@ def buffer_warning(
         f"on every host: sudo sysctl -w {settings}, and the same in /etc/sysctl.d/ to keep them "
         "(the Terraform's hosts boot with these)"
     )
+
+
+def host_warning(
+    links: Any, me: int, measured: Iterable[tuple[int, int]], name: Callable[[int], str]
+) -> str:
+    """What rank `me` says at start-up of its host's TCP settings: buffer_warning with this
+    host's ceilings, and IDLE_WARNING where it measured a link (of `measured`, the probe's pairs
+    across regions) and the host restarts idle connections; "" where there is nothing to say."""
+    pairs = list(measured)
+    message = buffer_warning(links, me, pairs, name, buffer_ceilings())
+    if any(me in pair for pair in pairs) and restarts_after_idle():
+        message = f"{message}; {IDLE_WARNING}" if message else IDLE_WARNING
+    return message

@@ -39,7 +39,7 @@ from .bootstrap import GroupsInMaking, control_group
 from .buffers import BROADCAST_BUCKET_BYTES
 from .config import CompressionConfig
 from .probe import LinkMatrix, cluster_regions, expand, probe, representative_pairs
-from .tcp import buffer_ceilings, buffer_warning
+from .tcp import host_warning
 
 log = logging.getLogger("cloudtrain")
 
@@ -210,11 +210,10 @@ class Topology:
     def check_buffers(self, links: LinkMatrix, measured: Sequence[tuple[int, int]]) -> None:
         """Warn where this host's TCP buffers, not the links, may set what the links this rank
         measured across regions carry (`measured`: the probe's pairs; the others are copies of
-        them): every host of its own, whichever of its ranks measured."""
+        them): every host of its own, whichever of its ranks measured; and where the host
+        restarts idle connections from TCP's initial window (tcp.IDLE_WARNING)."""
         across = [(i, j) for i, j in measured if self.rank_regions[i] != self.rank_regions[j]]
-        message = buffer_warning(
-            links, self.rank, across, self.rank_regions.__getitem__, buffer_ceilings()
-        )
+        message = host_warning(links, self.rank, across, self.rank_regions.__getitem__)
         if message:
             log.warning(
                 "cloudtrain: rank %d (%s): %s", self.rank, self.rank_regions[self.rank], message

@@ -116,20 +116,24 @@ PROBE_COMMAND = "import runpy; runpy.run_module('cloudtrain.tools.probe', run_na
 @pytest.mark.skipif(not EMULATOR_MACHINE, reason="the WAN emulator needs root and iproute2")
 @pytest.mark.timeout(240)
 def test_start_up_names_the_host_whose_buffers_hold_its_link_back() -> None:
-    """400 Mbit/s at 100 ms: region us's hosts keep the usual 4 MiB send buffer (untuned
-    hosts), eu's have WAN_TCP's (the emulator's, as the Terraform's hosts boot). The start-up
-    probe's warning (regions given, or found by the probe), and `cloudtrain probe`'s, come from
-    us, name its link to eu and the fix; eu says nothing."""
+    """400 Mbit/s at 100 ms: region us's hosts keep the usual 4 MiB send buffer and restart
+    idle connections from the initial window (untuned hosts), eu's have WAN_TCP's (the
+    emulator's, as the Terraform's hosts boot). The start-up probe's warning (regions given, or
+    found by the probe), and `cloudtrain probe`'s, come from us, name its link to eu and the
+    fixes; eu says nothing."""
     from cloudtrain.tools.netem import Emulator, teardown
 
     name = f"tcp{os.getpid() % 10000}-{uuid.uuid4().hex[:4]}"
     try:
         # two ranks a region: `cloudtrain probe` finds regions by the links' gap
         with Emulator({"us": 2, "eu": 2}, 400, rtt_ms=100, name=name) as wan:
-            untuned = "net.ipv4.tcp_wmem=4096 16384 4194304"
+            untuned = [
+                "net.ipv4.tcp_wmem=4096 16384 4194304",
+                "net.ipv4.tcp_slow_start_after_idle=1",
+            ]
             for rank in wan.ranks("us"):
                 subprocess.run(
-                    ["ip", "netns", "exec", wan.namespace(rank), "sysctl", "-q", "-w", untuned],
+                    ["ip", "netns", "exec", wan.namespace(rank), "sysctl", "-q", "-w", *untuned],
                     check=True,
                 )
             said = {}
@@ -157,3 +161,18 @@ def test_start_up_names_the_host_whose_buffers_hold_its_link_back() -> None:
     assert f"rank {us}: this host's TCP buffers" in command["us"]
     assert f"to rank {eu} " in command["us"]
     assert "TCP buffers" not in start_up["eu"] + found["eu"] + command["eu"]
+    # us's hosts restart idle connections from the initial window: said, with the fix
+    for said_us in (start_up["us"], found["us"], command["us"]):
+        assert "(net.ipv4.tcp_slow_start_after_idle = 1)" in said_us, said_us
+        assert "sudo sysctl -w net.ipv4.tcp_slow_start_after_idle=0" in said_us
+    assert "slow_start_after_idle" not in start_up["eu"] + found["eu"] + command["eu"]
+
+
+def test_a_host_that_restarts_idle_connections_is_read_as_such(tmp_path: Path) -> None:
+    from cloudtrain.tcp import restarts_after_idle
+
+    assert restarts_after_idle(tmp_path) is None  # nothing to read: not Linux
+    (tmp_path / "tcp_slow_start_after_idle").write_text("1\n")
+    assert restarts_after_idle(tmp_path) is True
+    (tmp_path / "tcp_slow_start_after_idle").write_text("0\n")
+    assert restarts_after_idle(tmp_path) is False

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..probe import cluster_regions, probe
-from ..tcp import buffer_ceilings, buffer_warning
+from ..tcp import host_warning
 
 
 def _run_probe(as_json: bool) -> int:
@@ -36,7 +36,7 @@ def _run_probe(as_json: bool) -> int:
     me = dist.get_rank()
     across = [(i, j) for i in range(links.world_size) for j in range(links.world_size)
               if regions[i] != regions[j]]  # fmt: skip
-    held = buffer_warning(links, me, across, lambda r: f"rank {r}", buffer_ceilings())
+    held = host_warning(links, me, across, lambda r: f"rank {r}")
     if held:
         print(f"cloudtrain probe: rank {me}: {held}", file=sys.stderr, flush=True)
     if dist.get_rank() == 0:

@@ -31,13 +31,15 @@ locals {
 
   # TCP for the links between regions: buffer ceilings that fit their bandwidth-delay product
   # (1 Gbit/s at 180 ms is 22.5 MB; with Linux's usual 4 MiB one connection carries ~250 Mbit/s
-  # at 80 ms whatever the link), and BBR, which cloudtrain's measurements ran with. The same
+  # at 80 ms whatever the link), BBR, which cloudtrain's measurements ran with, and no slow
+  # start after idle (the outer loop's connections idle H steps between syncs). The same
   # values as cloudtrain.tcp.WAN_TCP (tests/test_terraform.py compares them); the hosts set
   # them at boot (user_data), in a file named to sort after the image's own sysctl.d files.
   host_tcp = {
-    "net.ipv4.tcp_rmem"               = "4096 131072 67108864"
-    "net.ipv4.tcp_wmem"               = "4096 16384 67108864"
-    "net.ipv4.tcp_congestion_control" = "bbr"
+    "net.ipv4.tcp_rmem"                  = "4096 131072 67108864"
+    "net.ipv4.tcp_wmem"                  = "4096 16384 67108864"
+    "net.ipv4.tcp_congestion_control"    = "bbr"
+    "net.ipv4.tcp_slow_start_after_idle" = "0"
   }
   user_data = join("\n", concat(
     ["#!/bin/sh", "cat > /etc/sysctl.d/99-cloudtrain-tcp.conf <<'EOF'"],
