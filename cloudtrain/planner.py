@@ -196,15 +196,13 @@ class Planner:
         est.compute_s = interval.compute_s or est.compute_s or 1.0
         if warm:  # (the first steps' compute is slow to warm up: not the ranks' throughput)
             est.observe_throughput(interval, opts.ewma)
+        reprobe = est.observe_links(interval, warm, self.topo.shards, opts.ewma, now.interval)
         # before the cost model is built: a plan in force that took twice its time drops the
         # times measured before (the plain all-reduce's too) and asks for a re-probe; in its
-        # first interval a plan's steps are not its own yet. Before the links: a re-probe in
-        # the same interval answers it (a low reading the steps foretold sets the estimate)
+        # first interval a plan's steps are not its own yet
         due = step - now.start > FIRST_DECISION + opts.interval
         ran_step = interval.step_s if due else None
-        jump = est.observe_step((tuple(ran[0]), ran[1]), ran_step, opts.ewma)
-        reprobe = est.observe_links(interval, warm, self.topo.shards, opts.ewma, now.interval)
-        reprobe |= jump and interval.probed is None
+        reprobe |= est.observe_step((tuple(ran[0]), ran[1]), ran_step, opts.ewma)
         stages = interval.stages if warm else {}
         est.observe_stages(stages, opts.ewma)
         model = self._cost_model(est, stages, shard_numels, ran[0])
