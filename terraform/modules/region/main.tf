@@ -32,7 +32,8 @@ locals {
   # TCP for the links between regions: buffer ceilings that fit their bandwidth-delay product
   # (1 Gbit/s at 180 ms is 22.5 MB; with Linux's usual 4 MiB one connection carries ~250 Mbit/s
   # at 80 ms whatever the link), BBR, which cloudtrain's measurements ran with, and no slow
-  # start after idle (the outer loop's connections idle H steps between syncs). The same
+  # start after idle (the outer loop's connections idle H steps between syncs; it costs round
+  # trips where BBR does not load and the host stays on CUBIC). The same
   # values as cloudtrain.tcp.WAN_TCP (tests/test_terraform.py compares them); the hosts set
   # them at boot (user_data), in a file named to sort after the image's own sysctl.d files.
   host_tcp = {
