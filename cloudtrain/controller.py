@@ -114,6 +114,7 @@ class Controller:
         self.estimates = Estimates.start(regions)
         self.rungs, self.streak = [0] * regions, [0] * regions
         self.zstd = [config.zstd is True] * regions
+        self.first_zstd = tuple(self.zstd)  # the start-up plan's zstd stage (the config's)
         self.staleness = config.staleness or 0
         self.guard = (
             QualityGuard.start(self.options.ladder, regions)
@@ -285,6 +286,8 @@ class Controller:
             )  # fmt: skip
         for note in decision.record.get("guard_notes", ()):
             log.warning("cloudtrain: step %d: quality guard: %s", step, note)
+        if "held" in decision.record:
+            log.warning("cloudtrain: step %d: %s", step, decision.record["held"])
         if changed:
             log.warning(
                 "cloudtrain: step %d: %s (decided from the steps before %d)",

@@ -557,6 +557,8 @@ class Estimates:
             },  # (a state saved before the decisions since were kept: measured now)
             list(state.get("throughput", [])),
             allreduce_age=int(state.get("allreduce_age", 0)),
+            # (a state saved before `jumped` was kept: settled; its re-probe, if one was asked
+            # for, is one decision away and sized for the estimates)
             jumped=bool(state.get("jumped", False)),
         )
 

@@ -37,7 +37,7 @@ from .compress.ladders import LADDER, OUTER_LADDER
 from .config import AUTO, CompressionConfig, ControllerOptions
 from .costs import CostModel, LinkEstimate, Ring, default_codecs, plain_seconds, plan_levels
 from .guard import first_ceiling
-from .outer import SyncSetting, choose_schedule, fragment_exchange_seconds
+from .outer import SyncSetting, choose_schedule, fragment_exchange_seconds, outer_zstd
 from .plan import Rung, ceil_div, describe
 from .replan import LinkBook, PairLink
 
@@ -444,7 +444,7 @@ def predict_rungs(
     model = s.cost_model(ladder)
     zstd = list(zstd) or [False] * len(at)
     ratios = [
-        default_codecs().zstd_ratio(ladder[r]) if z else 1.0 for r, z in zip(at, zstd, strict=True)
+        model.codecs.zstd_ratio(ladder[r]) if z else 1.0 for r, z in zip(at, zstd, strict=True)
     ]
     exchange = max(  # a packet 1/q the size: its link time as on a link q times as fast
         model.rung_seconds(LinkEstimate(lk.bandwidth * q, lk.rtt), r, 0, plain=False)
@@ -576,7 +576,8 @@ class _Context:
             setting.numel, setting.links, self.shards, self.compute + setting.intra_s
         )
         sched = choose_schedule(sync, codecs.wire_nbytes, cfg.sync_every, ladder)
-        step, wan = predict_outer(setting, sched.sync_every, sched.rungs)
+        zstd = outer_zstd(CompressionConfig.resolve(preset))
+        step, wan = predict_outer(setting, sched.sync_every, sched.rungs, zstd)
         # the outer copy, its momentum, and the residuals (of a shard, unless sharded)
         state = (
             4

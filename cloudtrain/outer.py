@@ -130,6 +130,13 @@ class Schedule:
         )  # fmt: skip
 
 
+def outer_zstd(config: CompressionConfig) -> bool:
+    """Whether the outer loop's packets go through zstd: unless the config says no
+    (`CompressionConfig.zstd=False`). Once per H steps, behind the inner steps, its CPU is small
+    and the bytes it saves are what the outer loop is for."""
+    return config.zstd is not False
+
+
 def fragment_exchange_seconds(link: LinkEstimate, nbytes: float, receivers: int) -> float:
     """One fragment's exchange on a sender's link: a round trip plus its packet to every other
     region (the per-step exchange's model is cloudtrain.costs.exchange_seconds)."""
@@ -598,9 +605,7 @@ class OuterLoop:
         where = f" at outer step {step}, fragment {f}"
         device = delta.device
         delta = delta.cpu()  # the groups are gloo's (Topology.private)
-        # zstd unless the config says no: once per H steps, behind the inner steps, its CPU is
-        # small and the bytes it saves are what the outer loop is for
-        plan = plan or Plan(self.schedule.rungs, zstd=(self.config.zstd is not False,) * regions)
+        plan = plan or Plan(self.schedule.rungs, zstd=(outer_zstd(self.config),) * regions)
         if self.sharded:  # this rank's shard is the region's: swapped whole, nothing to gather
             if delta.numel() == 0:  # (a shard FSDP left empty: empty on every region alike)
                 return delta.to(device)

@@ -129,15 +129,16 @@ def _record(
 
 
 def _no_lighter(
-    rungs: Sequence[int], streak: Sequence[int], now: Sequence[int], ceilings: Sequence[int] | None
+    rungs: Sequence[int], now: Sequence[int], ceilings: Sequence[int] | None
 ) -> tuple[list[int], list[int]]:
-    """`rungs`, where one is lighter than the rung in force `now`, raised to it (within the
-    quality guard's `ceilings`), and its streak towards a lighter rung started again: while the
-    estimates are unsettled (Estimates.unsettled)."""
+    """While the estimates are unsettled (Estimates.unsettled): `rungs`, where one is lighter
+    than the rung in force `now`, raised to it (within the quality guard's `ceilings`), and no
+    streak towards a lighter rung (what the estimates of before counted towards one does not
+    carry over)."""
     held = [max(r, n) for r, n in zip(rungs, now, strict=True)]
     if ceilings is not None:
         held = [min(h, c) for h, c in zip(held, ceilings, strict=True)]
-    return held, [0 if h != r else s for h, r, s in zip(held, rungs, streak, strict=True)]
+    return held, [0] * len(held)
 
 
 class Planner:
@@ -218,10 +219,18 @@ class Planner:
         rungs, streak, staleness = self._measured_best(
             est, rungs, streak, staleness, ceilings, depths
         )
+        held_note = None
         if est.unsettled:
-            held, streak = _no_lighter(rungs, streak, now.rungs, ceilings)
-            if held != list(rungs):
-                notes = [*notes, f"rungs {list(rungs)} held at {held}: a re-probe is awaited"]
+            held, streak = _no_lighter(rungs, now.rungs, ceilings)
+            if held != list(rungs):  # the depth for the held rungs, as for any plan's
+                staleness = max(
+                    plan_staleness(model, held, depths), min(now.staleness - 1, max(depths))
+                )
+                held_note = (
+                    f"{', '.join(describe(opts.ladder[r]) for r in rungs)} held at "
+                    f"{', '.join(describe(opts.ladder[r]) for r in held)}: the estimates await "
+                    "a re-probe (a step-time jump, or a low reading to confirm)"
+                )
             rungs = held
         est.observe_zstd(interval, ran[0], opts.ewma)
         zstd = self._zstd(est, rungs, staleness, model)
@@ -229,6 +238,8 @@ class Planner:
         every = max(opts.interval, min(math.ceil(2 * took / max(per_step, 1e-3)) + 1, 10_000))
         plan = (rungs, staleness, zstd)
         record = _record(step, opts.ladder, self.topo.regions, model, plan, interval, notes)
+        if held_note is not None:
+            record["held"] = held_note
         shares = None
         if now.shares is not None:  # with a global batch: the shares split it
             shares = plan_shares(sum(now.shares), est.throughput, now.shares)

@@ -9,11 +9,12 @@ WAN_TCP's buffers (200 Mbit/s at 180 ms: 89 against 162-168), flows of 4-6 s.
 
 WAN_TCP holds buffer ceilings with room for 1 Gbit/s at 180 ms, BBR congestion control (the
 default of the kernel docs/measurements.md was measured on; most distributions start with CUBIC,
-which halves its window at each loss) and no slow start after idle. The Terraform's hosts get them at boot
-(terraform/modules/region/main.tf, `host_tcp`), and so does every rank of the emulated network
-(cloudtrain.tools.netem). A host without the buffers is told so at start-up: `buffer_warning`
-names the links whose measured rate is what this host's buffers allow, and how to raise them;
-one that restarts idle connections from the initial window is told IDLE_WARNING.
+which halves its window at each loss) and no slow start after idle. The Terraform's hosts get
+them at boot (terraform/modules/region/main.tf, `host_tcp`), and so does every rank of the
+emulated network (cloudtrain.tools.netem). A host without the buffers is told so at start-up:
+`buffer_warning` names the links whose measured rate is what this host's buffers allow, and how
+to raise them; one that restarts idle connections from the initial window is told
+IDLE_WARNING.
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def restarts_after_idle(proc: Path = Path("/proc/sys/net/ipv4")) -> bool | None:
 IDLE_WARNING = (
     "this host sends a TCP connection idle for longer than its retransmission timeout back to "
     "its initial window (net.ipv4.tcp_slow_start_after_idle = 1, and a congestion control other "
-    "than BBR): an exchange across regions after an idle spell - every sync of the outer loop - "
-    "grows its window again over round trips. Set it on every host: sudo sysctl -w "
+    "than BBR): an exchange across regions after an idle spell - every sync of the outer loop, "
+    "a per-step exchange after a long step - grows its window again over round trips. Set it "
+    "on every host: sudo sysctl -w "
     "net.ipv4.tcp_slow_start_after_idle=0, and the same in /etc/sysctl.d/ to keep it (the "
     "Terraform's hosts boot with it)"
 )

@@ -562,8 +562,15 @@ def test_a_plan_in_force_that_took_three_times_as_long_holds_its_rung_until_a_re
     made = decisions(est.copy())
     assert made[0].reprobe, "the jump asks for a re-probe"
     assert all(d.rungs == (q8, q8) for d in made), [d.rungs for d in made]
-    notes = [n for d in made for n in d.record["guard_notes"]]
-    assert any("held at [2, 2]: a re-probe is awaited" in n for n in notes), notes
+    assert all(d.staleness == 0 and d.streak == (0, 0) for d in made)  # no streak counts
+    # a streak counted before the jump that reaches `patience` now: the lighter rung it asks
+    # for is held, and the log says so
+    patience = config.controller.patience
+    now = Current([q8, q8], [patience - 1] * 2, 0, est.copy(), None, [562_000] * 2, interval=5)
+    now.estimates.jumped = True
+    held = decide(100, now, 0.11, fell)
+    assert held.rungs == (q8, q8) and held.streak == (0, 0), held.record
+    assert held.record["held"].startswith("no compression, no compression held at 8-bit, 8-bit")
     after = Estimates.from_state(made[-1].estimates)
     assert after.unsettled and after.allreduce_s is None
     # without the hold, the same decisions take the plain path: what the test guards against

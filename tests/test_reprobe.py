@@ -49,7 +49,7 @@ for i in range(5, 400):
     seen = ddp.stats().controller["probed"]
     # a decision that carried a re-probe took effect, and nothing waits for another (a fall
     # for its second reading, a step-time jump for its re-probe)
-    if seen["decisions_ago"] < probed and not seen["unconfirmed_fall"] and not seen["unsettled"]:
+    if seen["decisions_ago"] < probed and not seen["unsettled"]:
         break
     probed = seen["decisions_ago"]
 # the cost model's pick for the links as the controller believes them (whole links, given as

@@ -170,12 +170,12 @@ def test_start_up_names_the_host_whose_buffers_hold_its_link_back() -> None:
 
 
 def test_a_host_that_restarts_idle_connections_is_read_as_such(tmp_path: Path) -> None:
-    from cloudtrain.tcp import restarts_after_idle
-
     """An idle connection pays where the host restarts it from the initial window and its
     congestion control is not BBR (which restarts at its bandwidth estimate: on the emulated
     50 Mbit/s link at 180 ms 250 KB after 1.5 s idle took 239 ms either way under BBR, 377
     against 211 under Reno)."""
+    from cloudtrain.tcp import restarts_after_idle
+
     assert restarts_after_idle(tmp_path) is None  # nothing to read: not Linux
     for idle, control, pays in (("1", "cubic", True), ("1", "bbr", False), ("0", "cubic", False)):
         (tmp_path / "tcp_slow_start_after_idle").write_text(f"{idle}\n")

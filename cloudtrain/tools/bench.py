@@ -325,10 +325,10 @@ def _predict(
     step's. Its inputs are means too: the compute row's and DDP's unshaped step. "auto" is
     predicted for each plan it ran, weighted by the counted steps each was in force, from the
     row's measured dense reduction in the regions and its codecs' CPU (encode, decode, the
-    guard's statistics). The outer loop's packets go through zstd, counted at its ratio on
-    normal values (Codecs.zstd_ratio). Left out: per-step "auto"'s zstd where the controller
-    turned it on, and the wire's framing - headers, acknowledgements, gloo's preamble, about
-    0.8 KB a packet - which the emulator counts.
+    guard's statistics). zstd, where a plan had it on (the outer loop's always, unless the
+    config says no), is counted at its ratio on normal values (Codecs.zstd_ratio). Left out:
+    the wire's framing - headers, acknowledgements, gloo's preamble, about 0.8 KB a packet -
+    which the emulator counts, and re-probes.
 
     The outer loop's inner step is DDP's inside a region: its base is DDP's unshaped step (the
     all-reduce overlapping backward as DDP overlaps it) where the bench ran it. Its syncs are

@@ -240,12 +240,11 @@ def _result(args: argparse.Namespace, ddp: Any, trainer: Any, step_times, curve,
             result["plans"] = [(h["step"], h["levels"]) for h in history]
             # the plans in force and the steps they took effect at (a decision gathered at one
             # due step takes effect at the next), from the start-up plan on, and their zstd
-            # stage by region (at start-up: the config's)
-            first_rungs = comm.controller.first_rungs
-            first_zstd = [comm.controller.planner.zstd_choice is True] * len(first_rungs)
-            first = [(0, [ladder[r] for r in first_rungs], first_zstd)]
+            # stage by region
+            ctl = comm.controller
+            first = [(0, [ladder[r] for r in ctl.first_rungs], list(ctl.first_zstd))]
             applied = [
-                (h.get("applied", h["step"]), [ladder[r] for r in h["rungs"]], h["zstd"])
+                (h.get("applied", h["step"]), [ladder[r] for r in h["rungs"]], h.get("zstd", []))
                 for h in history
             ]  # (a history resumed from before "applied" was recorded: its decision steps)
             result["plan_history"] = first + applied
