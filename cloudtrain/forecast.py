@@ -566,8 +566,8 @@ class _Context:
     def outer(self, preset: str, sync_every: int | None = None) -> ModeForecast:
         """The outer loop of `preset`: H and codec as outer.choose_schedule picks them where the
         preset leaves them to it; `sync_every` fixes H."""
-        setting = self.setting()
-        cfg = CompressionConfig.resolve(preset).outer
+        setting, resolved = self.setting(), CompressionConfig.resolve(preset)
+        cfg = resolved.outer
         if sync_every is not None:
             cfg = dataclasses.replace(cfg, sync_every=sync_every)
         codecs = default_codecs()
@@ -576,8 +576,7 @@ class _Context:
             setting.numel, setting.links, self.shards, self.compute + setting.intra_s
         )
         sched = choose_schedule(sync, codecs.wire_nbytes, cfg.sync_every, ladder)
-        zstd = outer_zstd(CompressionConfig.resolve(preset))
-        step, wan = predict_outer(setting, sched.sync_every, sched.rungs, zstd)
+        step, wan = predict_outer(setting, sched.sync_every, sched.rungs, outer_zstd(resolved))
         # the outer copy, its momentum, and the residuals (of a shard, unless sharded)
         state = (
             4

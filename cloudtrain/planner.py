@@ -212,20 +212,21 @@ class Planner:
         depths = self._guarded(depths, guard)
         ceilings = None if guard is None else guard.ceilings
         rungs, streak, _ = plan_levels(model, now.rungs, now.streak, depths, ceilings)
-        staleness = plan_staleness(model, rungs, depths)
-        # a shallower pipeline one step at a time: each change of depth applies two steps'
-        # gradients at once (or none), so it should not flap
-        staleness = max(staleness, min(now.staleness - 1, max(depths)))
+
+        def depth_for(rungs: Sequence[int]) -> int:
+            # a shallower pipeline one step at a time: each change of depth applies two steps'
+            # gradients at once (or none), so it should not flap
+            return max(plan_staleness(model, rungs, depths), min(now.staleness - 1, max(depths)))
+
+        staleness = depth_for(rungs)
         rungs, streak, staleness = self._measured_best(
             est, rungs, streak, staleness, ceilings, depths
         )
         held_note = None
         if est.unsettled:
             held, streak = _no_lighter(rungs, now.rungs, ceilings)
-            if held != list(rungs):  # the depth for the held rungs, as for any plan's
-                staleness = max(
-                    plan_staleness(model, held, depths), min(now.staleness - 1, max(depths))
-                )
+            if held != list(rungs):
+                staleness = depth_for(held)
                 held_note = (
                     f"{', '.join(describe(opts.ladder[r]) for r in rungs)} held at "
                     f"{', '.join(describe(opts.ladder[r]) for r in held)}: the estimates await "
