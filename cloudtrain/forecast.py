@@ -18,8 +18,10 @@ come only after a trial keeps quality; and with them), and the outer loop (by de
 and codec as `sync_every="auto"` chooses them, and the diloco-4bit preset; any outer preset, H
 fixed or not, with `outer=`). What it leaves out: activations (give `activation_gb`), overlap of
 the all-reduce with backward beyond the cost model's hidden share (less the last bucket's, which
-starts when the backward ends), stragglers, the CPU of the codecs (small on GPUs), quality (the
-outer loop changes the algorithm; docs/quality.md).
+starts when the backward ends), stragglers, the CPU of the codecs (small on GPUs), a
+connection's first transfers (TCP's startup: two or three round trips more on each of the outer
+loop's first two syncs, once a run; docs/measurements.md), quality (the outer loop changes the
+algorithm; docs/quality.md).
 """
 
 from __future__ import annotations
