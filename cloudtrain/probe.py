@@ -11,8 +11,10 @@ go under one announcement).
 (Sizes that only show the round trip cannot show bandwidth: across 80 ms, a few hundred KB take
 the round trip and a jitter's worth more, whatever the link's rate.) alpha (seconds, about one
 round trip) is the fastest ping, beta (bytes per second) the best rate of the repeated sizes, per
-direction (`fit_measured`). Every rank gets the whole matrix; `pairs` measures only some
-(the others are copied from a measured pair of the same regions: `expand`).
+direction (`fit_measured`). Where the two directions between two regions, measured at once,
+read more than DISAGREE apart, both are measured again one way at a time (`disagreeing`). Every
+rank gets the whole matrix; `pairs` measures only some (the others are copied from a measured
+pair of the same regions: `expand`).
 
     cloudtrain probe                          # the command (cloudtrain.tools.probe)
 
@@ -58,6 +60,16 @@ MIN_TRANSFER_S = 0.1
 window overruns the shaper's queue, and recovering its losses takes much of a short transfer:
 on the emulated 50 Mbit/s link, 0.05 s transfers read 0.4-1.1x of one TCP flow's rate, 0.1 s
 ones 0.8-1.05x (the best of three), 0.25 s ones 1.0-1.03x."""
+DISAGREE = 1.25
+"""Two directions between the same two regions, measured at once, that read more than this
+ratio apart are measured again, one way at a time (`disagreeing`). Each direction's
+acknowledgements - TCP's and the probe's own - cross the other direction's link, and where its
+queue holds the other direction's probe they wait behind it, which the sender's clock counts as
+transfer. On the emulated 100 Mbit/s link at 80 ms, 17 start-up probes with both directions at
+once read eu->us at 40-79 % of the link in five and us->eu at 87-104 % in all; one way at a
+time, 11 read both at 91-100 % but one eu->us at 77 %. On the hetero link (us 1000 Mbit/s, eu
+50 up), us->eu read 562 at once. One way at a time costs a pair's time more (1-1.5 s at 80 ms):
+only where the directions disagree, by a misreading or by links that do differ."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,8 @@ class LinkMatrix:
     beta: tuple[tuple[float, ...], ...]
     sent: int = 0
     """Bytes this rank sent measuring them (what the measurement cost it)."""
+    again: tuple[tuple[int, int], ...] = ()
+    """The pairs measured again one way at a time (DISAGREE), each as (sender, receiver)."""
 
     @property
     def world_size(self) -> int:
@@ -317,19 +331,17 @@ def probe(
         pairs = [(i, j) for i in ranks for j in ranks if i != j]
     if carry is not None and (region is None or carry.dtype != torch.uint8):
         raise ValueError("probe: carry needs the ranks' regions and a uint8 tensor")
-    mine = torch.full((world, 2), math.nan, dtype=torch.float64)  # this rank's row: (alpha, beta)
-    sent = 0
-    for i, j in (pair for batch in rounds(pairs, region) for pair in batch):
-        if me not in (i, j):  # measured by others, alone or beside this rank's pair of the round
-            continue
-        samples = _measure(i, j, group, max_seconds, max_bytes, repeats, start_bytes)
-        if me == i:
-            mine[j] = torch.tensor(fit_measured(samples), dtype=torch.float64)
-            sent += min(WARMUP_BYTES, max_bytes) + sum(b for b, _ in samples)
-    # one collective (an object gather is two, each a round trip or more across the WAN)
-    rows = [torch.empty_like(mine) for _ in ranks]
-    dist.all_gather(rows, mine, group=group)
-    seen = [[(a, b) if not math.isnan(a) else (0.0, math.inf) for a, b in r.tolist()] for r in rows]
+    measure = (group, max_seconds, max_bytes, repeats, start_bytes)
+    batches = rounds(pairs, region)
+    sent, seen = _measure_rounds(batches, me, world, measure)
+    again: list[tuple[int, int]] = []
+    if region is not None:
+        again = disagreeing(batches, region, [[b for _, b in row] for row in seen])
+    if again:  # one way at a time: a pair's round waits for the one before it to end
+        more, solo = _measure_rounds([[pair] for pair in again], me, world, measure, apart=True)
+        sent += more
+        for i, j in again:
+            seen[i][j] = solo[i][j]
     alpha = tuple(tuple(seen[i][j][0] for j in ranks) for i in ranks)
     beta = tuple(tuple(seen[i][j][1] for j in ranks) for i in ranks)
     if carry is not None:  # after every pair: no measurement shares its link with it
@@ -341,7 +353,59 @@ def probe(
             sent += len(to) * carry.numel()
         elif me in to:
             dist.recv(carry, group=group, group_src=0)
-    return LinkMatrix(alpha, beta, sent)
+    return LinkMatrix(alpha, beta, sent, tuple(again))
+
+
+def _measure_rounds(
+    batches: list[list[tuple[int, int]]],
+    me: int,
+    world: int,
+    measure: tuple,
+    apart: bool = False,
+) -> tuple[int, list[list[tuple[float, float]]]]:
+    """This rank's pairs of `batches` measured (`measure`: _measure's group and options), then
+    every rank's (alpha, beta) gathered: (the bytes this rank sent, the matrix; a pair not
+    measured reads (0, inf)). `apart`: a barrier after each batch, so that no two batches'
+    pairs overlap (without it each rank goes through its own pairs in batch order, and pairs
+    of different batches that share no rank run at once)."""
+    group = measure[0]
+    mine = torch.full((world, 2), math.nan, dtype=torch.float64)  # this rank's row: (alpha, beta)
+    sent = 0
+    for k, batch in enumerate(batches):
+        for i, j in batch:
+            if me not in (i, j):  # measured by others, alone or beside this rank's pair
+                continue
+            samples = _measure(i, j, *measure)
+            if me == i:
+                mine[j] = torch.tensor(fit_measured(samples), dtype=torch.float64)
+                sent += min(WARMUP_BYTES, measure[2]) + sum(b for b, _ in samples)
+        if apart and k + 1 < len(batches):  # (the gathering below ends the last)
+            dist.barrier(group=group)
+    # one collective (an object gather is two, each a round trip or more across the WAN)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine, group=group)
+    nan = math.isnan
+    return sent, [[(a, b) if not nan(a) else (0.0, math.inf) for a, b in r.tolist()] for r in rows]
+
+
+def disagreeing(
+    batches: Sequence[Sequence[tuple[int, int]]],
+    region: Sequence[int],
+    beta: Sequence[Sequence[float]],
+) -> list[tuple[int, int]]:
+    """The pairs to measure again one way at a time (pure: every rank computes the same from
+    the gathered matrix): two pairs of one batch of `rounds` - measured at once - that go
+    opposite ways between two regions and read more than DISAGREE apart (`beta`: bytes/s by
+    sender and receiver), in batch order."""
+    again = []
+    for batch in batches:
+        across = [(i, j) for i, j in batch if region[i] != region[j]]
+        for i, j in across:
+            back = [(k, m) for k, m in across if (region[k], region[m]) == (region[j], region[i])]
+            ours, theirs = beta[i][j], min((beta[k][m] for k, m in back), default=None)
+            if theirs is not None and max(ours, theirs) > DISAGREE * min(ours, theirs):
+                again.append((i, j))
+    return again
 
 
 def rounds(
@@ -420,7 +484,7 @@ def expand(links: LinkMatrix, members: Sequence[Sequence[int]]) -> LinkMatrix:
         tuple(math.inf if i == j else links.beta[pick[i, j][0]][pick[i, j][1]] for j in range(n))
         for i in range(n)
     )
-    return LinkMatrix(alpha, beta, links.sent)
+    return LinkMatrix(alpha, beta, links.sent, links.again)
 
 
 def cluster_regions(links: LinkMatrix, min_ratio: float = 4.0) -> list[int]:

@@ -250,6 +250,10 @@ class Topology:
                 for b, lb in enumerate(leaders)
                 if a != b
             )
+            names = self.regions
+            again = ", ".join(f"{names[region[i]]}->{names[region[j]]}" for i, j in links.again)
+            if again:  # (probe.DISAGREE)
+                seen += f"; {again} measured again one way at a time (far apart at once)"
             log.warning("cloudtrain: %s in %.1f s: %s", what, time.perf_counter() - t0, seen)
         return links
 

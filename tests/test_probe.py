@@ -19,8 +19,10 @@ from distributed import RankFailed, run_ranks, spawn_in_regions
 from support import EMULATOR_MACHINE
 
 from cloudtrain.probe import (
+    DISAGREE,
     LinkMatrix,
     _measure,
+    disagreeing,
     expand,
     fit_measured,
     representative_pairs,
@@ -105,6 +107,57 @@ def test_probe_command_fits_the_emulated_rtt_within_10_percent(wan_name):
                 assert 72 <= fitted[i][j] <= 88, (i, j, fitted)
             elif i != j:
                 assert rtt[i][j] == 0 and fitted[i][j] < 8, (i, j, fitted)
+
+
+ASYMMETRIC = """
+import json, torch.distributed as dist
+import cloudtrain
+from cloudtrain.probe import probe, representative_pairs
+cloudtrain.init()
+links = probe(pairs=representative_pairs([[0, 1], [2, 3]]), region=[0, 0, 1, 1])
+if dist.get_rank() == 0:
+    print(json.dumps({"mbit": [[links.mbit(i, j) if i != j else 0 for j in range(4)]
+                               for i in range(4)], "again": links.again}))
+dist.destroy_process_group()
+"""
+
+
+@emulated
+def test_directions_that_disagree_at_once_are_measured_again_one_way_at_a_time(wan_name):
+    """us's link carries 200 Mbit/s each way, eu's 50 up and 200 down: measured at once, the
+    two directions read more than DISAGREE apart, so both are measured again one at a time, and
+    each reads its own link's rate (us->eu's acknowledgements no longer wait behind eu->us's
+    probe on eu's uplink)."""
+    shaped = {"us": 200, "eu": 50}
+    with Emulator({"us": 2, "eu": 2}, shaped, down_mbit=200, name=wan_name) as wan:
+        procs = spawn_in_regions(wan, ASYMMETRIC, 29533)
+        outs = [p.communicate(timeout=150)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    result = json.loads(outs[0].strip().splitlines()[-1])
+    assert [tuple(p) for p in result["again"]] == [(0, 2), (3, 1)], result
+    us_eu, eu_us = result["mbit"][0][2], result["mbit"][3][1]
+    assert 170 <= us_eu <= 230 and 42.5 <= eu_us <= 57.5, (us_eu, eu_us)
+
+
+def test_only_opposite_directions_measured_at_once_that_disagree_are_measured_again():
+    region = [0, 0, 1, 1]
+    batches = rounds(representative_pairs([[0, 1], [2, 3]]), region)
+    assert batches[0] == [(0, 2), (3, 1)]  # both directions across at once
+
+    def beta(us_eu: float, eu_us: float, inside: float = 1e9) -> list[list[float]]:
+        b = [[inside] * 4 for _ in range(4)]
+        b[0][2], b[3][1] = us_eu, eu_us
+        return b
+
+    assert disagreeing(batches, region, beta(100.0, 100.0 / DISAGREE)) == []  # at the bound
+    assert disagreeing(batches, region, beta(100.0, 79.0)) == [(0, 2), (3, 1)]
+    assert disagreeing(batches, region, beta(40.0, 100.0)) == [(0, 2), (3, 1)]
+    # inside a region, rates far from the links across: not a direction across
+    assert disagreeing(batches, region, beta(100.0, 100.0, inside=1.0)) == []
+    # one rank a region: the two directions share both ranks, so they run one after the other
+    one = rounds(representative_pairs([[0], [1]]), [0, 1])
+    assert one == [[(0, 1)], [(1, 0)]]
+    assert disagreeing(one, [0, 1], [[0.0, 100.0], [10.0, 0.0]]) == []
 
 
 def test_rounds_share_no_rank_and_no_link_and_keep_every_pair_once():
