@@ -65,11 +65,11 @@ DISAGREE = 1.25
 ratio apart are measured again, one way at a time (`disagreeing`). Each direction's
 acknowledgements - TCP's and the probe's own - cross the other direction's link, and where its
 queue holds the other direction's probe they wait behind it, which the sender's clock counts as
-transfer. On the emulated 100 Mbit/s link at 80 ms, 17 start-up probes with both directions at
-once read eu->us at 40-79 % of the link in five and us->eu at 87-104 % in all; one way at a
-time, 11 read both at 91-100 % but one eu->us at 77 %. On the hetero link (us 1000 Mbit/s, eu
-50 up), us->eu read 562 at once. One way at a time costs a pair's time more (1-1.5 s at 80 ms):
-only where the directions disagree, by a misreading or by links that do differ."""
+transfer. On the emulated 100 Mbit/s link at 80 ms, 24 start-up probes with both directions at
+once read eu->us at 40-79 % of the link in nine, us->eu at 69-80 % in two; one way at a time,
+11 read both at 91-100 % but one eu->us at 77 %. On the hetero link (us 1000 Mbit/s, eu 50 up),
+us->eu read 562 at once. A direction measured again costs a pair's time (1.5 s at 80 ms), so
+only where the two disagree, by a misreading or by links that do differ."""
 
 
 @dataclass(frozen=True)
@@ -335,13 +335,16 @@ def probe(
     batches = rounds(pairs, region)
     sent, seen = _measure_rounds(batches, me, world, measure)
     again: list[tuple[int, int]] = []
-    if region is not None:
-        again = disagreeing(batches, region, [[b for _, b in row] for row in seen])
-    if again:  # one way at a time: a pair's round waits for the one before it to end
-        more, solo = _measure_rounds([[pair] for pair in again], me, world, measure, apart=True)
-        sent += more
-        for i, j in again:
-            seen[i][j] = solo[i][j]
+    split = (
+        [] if region is None else disagreeing(batches, region, [[b for _, b in r] for r in seen])
+    )
+    for slow, fast in split:  # one way at a time: each ends in a gathering before the next
+        for i, j in (slow, fast):
+            more, alone = _measure_rounds([[(i, j)]], me, world, measure)
+            sent, seen[i][j] = sent + more, alone[i][j]
+            again.append((i, j))
+            if not _apart(seen[slow[0]][slow[1]][1], seen[fast[0]][fast[1]][1]):
+                break  # the slower one alone reads as the other did: the other stands
     alpha = tuple(tuple(seen[i][j][0] for j in ranks) for i in ranks)
     beta = tuple(tuple(seen[i][j][1] for j in ranks) for i in ranks)
     if carry is not None:  # after every pair: no measurement shares its link with it
@@ -357,55 +360,56 @@ def probe(
 
 
 def _measure_rounds(
-    batches: list[list[tuple[int, int]]],
-    me: int,
-    world: int,
-    measure: tuple,
-    apart: bool = False,
+    batches: list[list[tuple[int, int]]], me: int, world: int, measure: tuple
 ) -> tuple[int, list[list[tuple[float, float]]]]:
     """This rank's pairs of `batches` measured (`measure`: _measure's group and options), then
     every rank's (alpha, beta) gathered: (the bytes this rank sent, the matrix; a pair not
-    measured reads (0, inf)). `apart`: a barrier after each batch, so that no two batches'
-    pairs overlap (without it each rank goes through its own pairs in batch order, and pairs
-    of different batches that share no rank run at once)."""
-    group = measure[0]
+    measured reads (0, inf)). Each rank goes through its own pairs in batch order: pairs of
+    different batches that share no rank may run at once."""
     mine = torch.full((world, 2), math.nan, dtype=torch.float64)  # this rank's row: (alpha, beta)
     sent = 0
-    for k, batch in enumerate(batches):
-        for i, j in batch:
-            if me not in (i, j):  # measured by others, alone or beside this rank's pair
-                continue
-            samples = _measure(i, j, *measure)
-            if me == i:
-                mine[j] = torch.tensor(fit_measured(samples), dtype=torch.float64)
-                sent += min(WARMUP_BYTES, measure[2]) + sum(b for b, _ in samples)
-        if apart and k + 1 < len(batches):  # (the gathering below ends the last)
-            dist.barrier(group=group)
+    for i, j in (pair for batch in batches for pair in batch):
+        if me not in (i, j):  # measured by others, alone or beside this rank's pair
+            continue
+        samples = _measure(i, j, *measure)
+        if me == i:
+            mine[j] = torch.tensor(fit_measured(samples), dtype=torch.float64)
+            sent += min(WARMUP_BYTES, measure[2]) + sum(b for b, _ in samples)
     # one collective (an object gather is two, each a round trip or more across the WAN)
     rows = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(rows, mine, group=group)
+    dist.all_gather(rows, mine, group=measure[0])
     nan = math.isnan
     return sent, [[(a, b) if not nan(a) else (0.0, math.inf) for a, b in r.tolist()] for r in rows]
+
+
+def _apart(a: float, b: float) -> bool:
+    """Two rates (bytes/s) more than DISAGREE apart."""
+    return max(a, b) > DISAGREE * min(a, b)
 
 
 def disagreeing(
     batches: Sequence[Sequence[tuple[int, int]]],
     region: Sequence[int],
     beta: Sequence[Sequence[float]],
-) -> list[tuple[int, int]]:
-    """The pairs to measure again one way at a time (pure: every rank computes the same from
-    the gathered matrix): two pairs of one batch of `rounds` - measured at once - that go
+) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The directions to measure again one way at a time (pure: every rank computes the same
+    from the gathered matrix): two pairs of one batch of `rounds` - measured at once - that go
     opposite ways between two regions and read more than DISAGREE apart (`beta`: bytes/s by
-    sender and receiver), in batch order."""
-    again = []
+    sender and receiver), as (the slower pair, the faster), in batch order. `probe` measures
+    the slower alone first, and the faster too only where the slower still reads apart from
+    it: a direction whose acknowledgements waited reads slow (at 100 Mbit/s and 80 ms), but
+    where the links differ it is the faster one's acknowledgements that wait, on the slower
+    link (on the hetero link, us->eu read 562 of 1000 Mbit/s beside eu's 50)."""
+    out: list[tuple[tuple[int, int], tuple[int, int]]] = []
     for batch in batches:
         across = [(i, j) for i, j in batch if region[i] != region[j]]
-        for i, j in across:
-            back = [(k, m) for k, m in across if (region[k], region[m]) == (region[j], region[i])]
-            ours, theirs = beta[i][j], min((beta[k][m] for k, m in back), default=None)
-            if theirs is not None and max(ours, theirs) > DISAGREE * min(ours, theirs):
-                again.append((i, j))
-    return again
+        for n, (i, j) in enumerate(across):
+            for k, m in across[n + 1 :]:
+                back = (region[k], region[m]) == (region[j], region[i])
+                if back and _apart(beta[i][j], beta[k][m]):
+                    slow, fast = sorted([(i, j), (k, m)], key=lambda p: beta[p[0]][p[1]])
+                    out.append((slow, fast))
+    return out
 
 
 def rounds(

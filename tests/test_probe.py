@@ -125,16 +125,18 @@ dist.destroy_process_group()
 @emulated
 def test_directions_that_disagree_at_once_are_measured_again_one_way_at_a_time(wan_name):
     """us's link carries 200 Mbit/s each way, eu's 50 up and 200 down: measured at once, the
-    two directions read more than DISAGREE apart, so both are measured again one at a time, and
-    each reads its own link's rate (us->eu's acknowledgements no longer wait behind eu->us's
-    probe on eu's uplink)."""
+    two directions read more than DISAGREE apart, so the slower is measured again alone; it
+    still reads apart from the faster, which is measured again alone too, and each reads its
+    own link's rate (us->eu's acknowledgements no longer wait behind eu->us's probe on eu's
+    uplink)."""
     shaped = {"us": 200, "eu": 50}
     with Emulator({"us": 2, "eu": 2}, shaped, down_mbit=200, name=wan_name) as wan:
         procs = spawn_in_regions(wan, ASYMMETRIC, 29533)
         outs = [p.communicate(timeout=150)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     result = json.loads(outs[0].strip().splitlines()[-1])
-    assert [tuple(p) for p in result["again"]] == [(0, 2), (3, 1)], result
+    # the slower first; alone it still reads apart from the faster, so the faster goes too
+    assert [tuple(p) for p in result["again"]] == [(3, 1), (0, 2)], result
     us_eu, eu_us = result["mbit"][0][2], result["mbit"][3][1]
     assert 170 <= us_eu <= 230 and 42.5 <= eu_us <= 57.5, (us_eu, eu_us)
 
@@ -150,8 +152,8 @@ def test_only_opposite_directions_measured_at_once_that_disagree_are_measured_ag
         return b
 
     assert disagreeing(batches, region, beta(100.0, 100.0 / DISAGREE)) == []  # at the bound
-    assert disagreeing(batches, region, beta(100.0, 79.0)) == [(0, 2), (3, 1)]
-    assert disagreeing(batches, region, beta(40.0, 100.0)) == [(0, 2), (3, 1)]
+    assert disagreeing(batches, region, beta(100.0, 79.0)) == [((3, 1), (0, 2))]  # (slow, fast)
+    assert disagreeing(batches, region, beta(40.0, 100.0)) == [((0, 2), (3, 1))]
     # inside a region, rates far from the links across: not a direction across
     assert disagreeing(batches, region, beta(100.0, 100.0, inside=1.0)) == []
     # one rank a region: the two directions share both ranks, so they run one after the other
