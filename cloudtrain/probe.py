@@ -12,9 +12,10 @@ go under one announcement).
 the round trip and a jitter's worth more, whatever the link's rate.) alpha (seconds, about one
 round trip) is the fastest ping, beta (bytes per second) the best rate of the repeated sizes, per
 direction (`fit_measured`). Where the two directions between two regions, measured at once,
-read more than DISAGREE apart, both are measured again one way at a time (`disagreeing`). Every
-rank gets the whole matrix; `pairs` measures only some (the others are copied from a measured
-pair of the same regions: `expand`).
+read more than DISAGREE apart, the slower is measured again alone, and the faster too where the
+slower alone still reads apart from it (`disagreeing`). Every rank gets the whole matrix;
+`pairs` measures only some (the others are copied from a measured pair of the same regions:
+`expand`).
 
     cloudtrain probe                          # the command (cloudtrain.tools.probe)
 
@@ -62,7 +63,8 @@ on the emulated 50 Mbit/s link, 0.05 s transfers read 0.4-1.1x of one TCP flow's
 ones 0.8-1.05x (the best of three), 0.25 s ones 1.0-1.03x."""
 DISAGREE = 1.25
 """Two directions between the same two regions, measured at once, that read more than this
-ratio apart are measured again, one way at a time (`disagreeing`). Each direction's
+ratio apart: the slower is measured again alone, and the faster too where the slower alone still
+reads apart from it (`disagreeing`). Each direction's
 acknowledgements - TCP's and the probe's own - cross the other direction's link, and where its
 queue holds the other direction's probe they wait behind it, which the sender's clock counts as
 transfer. On the emulated 100 Mbit/s link at 80 ms, 24 start-up probes with both directions at
@@ -320,11 +322,12 @@ def probe(
     """All ranks of `group` (a gloo group; default: the world) call this; all get the matrix,
     indexed by rank within the group. `pairs`: the (i, j) to measure (default: all); the others
     are left as zeros for `expand` to fill. `region`: each rank's region, where known: pairs
-    that share no link are then measured at the same time (`rounds`). `carry` (with `region`;
-    uint8, the same size on every rank): once all is measured, rank 0's goes to the receivers
-    of its pairs to other regions, whose `carry` becomes it - rank 0's start-up state crosses
-    on connections the probe has taken out of TCP slow start, where a broadcast of its own
-    would go through slow start again (cloudtrain.topology.Topology.broadcast_from_rank0)."""
+    that share no link are then measured at the same time (`rounds`), and two directions that
+    read far apart so measured again alone (`disagreeing`). `carry` (with `region`; uint8, the
+    same size on every rank): once all is measured, rank 0's goes to the receivers of its pairs
+    to other regions, whose `carry` becomes it - rank 0's start-up state crosses on connections
+    the probe has taken out of TCP slow start, where a broadcast of its own would go through
+    slow start again (cloudtrain.topology.Topology.broadcast_from_rank0)."""
     me, world = _rank_and_size(group)
     ranks = list(range(world))
     if pairs is None:
@@ -332,7 +335,7 @@ def probe(
     if carry is not None and (region is None or carry.dtype != torch.uint8):
         raise ValueError("probe: carry needs the ranks' regions and a uint8 tensor")
     measure = (group, max_seconds, max_bytes, repeats, start_bytes)
-    batches = rounds(pairs, region)
+    batches = rounds(list(dict.fromkeys(pairs)), region)  # (each pair once)
     sent, seen = _measure_rounds(batches, me, world, measure)
     again: list[tuple[int, int]] = []
     split = (
@@ -399,7 +402,10 @@ def disagreeing(
     the slower alone first, and the faster too only where the slower still reads apart from
     it: a direction whose acknowledgements waited reads slow (at 100 Mbit/s and 80 ms), but
     where the links differ it is the faster one's acknowledgements that wait, on the slower
-    link (on the hetero link, us->eu read 562 of 1000 Mbit/s beside eu's 50)."""
+    link (on the hetero link, us->eu read 562 of 1000 Mbit/s beside eu's 50). A faster reading
+    kept is at least 1 / DISAGREE of the slower one's alone. Only opposite pairs are compared:
+    a pair beside another out of its receiving region (A->B beside B->C, which `rounds` does
+    not put together for `representative_pairs`) is not."""
     out: list[tuple[tuple[int, int], tuple[int, int]]] = []
     for batch in batches:
         across = [(i, j) for i, j in batch if region[i] != region[j]]
@@ -418,8 +424,9 @@ def rounds(
     """The pairs in rounds whose pairs are measured at the same time, in order (each pair in the
     first round that has room). Without `region` (a region per rank) every pair is a round of
     its own: two flows could share a bottleneck no one knows. With it, the pairs of a round share
-    no rank, no sending region's uplink, no receiving region's downlink and no region inside:
-    each rank goes through its own pairs in round order, so none waits for another's partner.
+    no rank, no sending region's uplink, no receiving region's downlink and no region inside
+    (their acknowledgements may still wait behind each other: `disagreeing`): each rank goes
+    through its own pairs in round order, so none waits for another's partner.
     Every rank computes the same rounds."""
     if region is None:
         return [[pair] for pair in pairs]

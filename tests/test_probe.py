@@ -111,13 +111,19 @@ def test_probe_command_fits_the_emulated_rtt_within_10_percent(wan_name):
 
 ASYMMETRIC = """
 import json, torch.distributed as dist
-import cloudtrain
+import cloudtrain, cloudtrain.probe as probing
 from cloudtrain.probe import probe, representative_pairs
+gathered, measure_rounds = [], probing._measure_rounds
+def kept(*args):  # each gathering's matrix, as probe gets it (then probe goes on with it)
+    sent, seen = measure_rounds(*args)
+    gathered.append([[8 * b / 1e6 for _, b in row] for row in seen])
+    return sent, seen
+probing._measure_rounds = kept
 cloudtrain.init()
 links = probe(pairs=representative_pairs([[0, 1], [2, 3]]), region=[0, 0, 1, 1])
 if dist.get_rank() == 0:
     print(json.dumps({"mbit": [[links.mbit(i, j) if i != j else 0 for j in range(4)]
-                               for i in range(4)], "again": links.again}))
+                               for i in range(4)], "again": links.again, "gathered": gathered}))
 dist.destroy_process_group()
 """
 
@@ -137,8 +143,11 @@ def test_directions_that_disagree_at_once_are_measured_again_one_way_at_a_time(w
     result = json.loads(outs[0].strip().splitlines()[-1])
     # the slower first; alone it still reads apart from the faster, so the faster goes too
     assert [tuple(p) for p in result["again"]] == [(3, 1), (0, 2)], result
+    # three gatherings: both at once, then eu->us alone, then us->eu alone; each alone is kept
+    at_once, eu_alone, us_alone = result["gathered"]
     us_eu, eu_us = result["mbit"][0][2], result["mbit"][3][1]
-    assert 170 <= us_eu <= 230 and 42.5 <= eu_us <= 57.5, (us_eu, eu_us)
+    assert (eu_us, us_eu) == (eu_alone[3][1], us_alone[0][2]), result
+    assert 150 <= us_eu <= 250 and 37.5 <= eu_us <= 62.5, (us_eu, eu_us, at_once)
 
 
 def test_only_opposite_directions_measured_at_once_that_disagree_are_measured_again():
