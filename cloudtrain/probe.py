@@ -64,14 +64,14 @@ ones 0.8-1.05x (the best of three), 0.25 s ones 1.0-1.03x."""
 DISAGREE = 1.25
 """Two directions between the same two regions, measured at once, that read more than this
 ratio apart: the slower is measured again alone, and the faster too where the slower alone still
-reads apart from it (`disagreeing`). Each direction's
-acknowledgements - TCP's and the probe's own - cross the other direction's link, and where its
-queue holds the other direction's probe they wait behind it, which the sender's clock counts as
-transfer. On the emulated 100 Mbit/s link at 80 ms, 24 start-up probes with both directions at
-once read eu->us at 40-79 % of the link in nine, us->eu at 69-80 % in two; one way at a time,
-11 read both at 91-100 % but one eu->us at 77 %. On the hetero link (us 1000 Mbit/s, eu 50 up),
-us->eu read 562 at once. A direction measured again costs a pair's time (1.5 s at 80 ms), so
-only where the two disagree, by a misreading or by links that do differ."""
+reads apart from it (`disagreeing`). Each direction's acknowledgements - TCP's and the probe's
+own - cross the other direction's link, and where its queue holds the other direction's probe
+they wait behind it, which the sender's clock counts as transfer. On the emulated 100 Mbit/s
+link at 80 ms, 24 start-up probes with both directions at once read eu->us at 40-79 % of the
+link in nine, us->eu at 69-80 % in two; one way at a time, 11 read both at 91-100 % but one
+eu->us at 77 %. On the hetero link (us 1000 Mbit/s, eu 50 up), us->eu read 562 at once. A
+direction measured again costs a pair's time (1.5 s at 80 ms), so only where the two disagree,
+by a misreading or by links that do differ."""
 
 
 @dataclass(frozen=True)
@@ -369,6 +369,7 @@ def _measure_rounds(
     every rank's (alpha, beta) gathered: (the bytes this rank sent, the matrix; a pair not
     measured reads (0, inf)). Each rank goes through its own pairs in batch order: pairs of
     different batches that share no rank may run at once."""
+    group, _, max_bytes, *_ = measure
     mine = torch.full((world, 2), math.nan, dtype=torch.float64)  # this rank's row: (alpha, beta)
     sent = 0
     for i, j in (pair for batch in batches for pair in batch):
@@ -377,10 +378,10 @@ def _measure_rounds(
         samples = _measure(i, j, *measure)
         if me == i:
             mine[j] = torch.tensor(fit_measured(samples), dtype=torch.float64)
-            sent += min(WARMUP_BYTES, measure[2]) + sum(b for b, _ in samples)
+            sent += min(WARMUP_BYTES, max_bytes) + sum(b for b, _ in samples)
     # one collective (an object gather is two, each a round trip or more across the WAN)
     rows = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(rows, mine, group=measure[0])
+    dist.all_gather(rows, mine, group=group)
     nan = math.isnan
     return sent, [[(a, b) if not nan(a) else (0.0, math.inf) for a, b in r.tolist()] for r in rows]
 
