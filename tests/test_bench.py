@@ -244,6 +244,19 @@ def test_hetero_throughput_counts_every_rank_over_the_window_all_share(tmp_path)
         window_rate(read_reports(tmp_path, 4), 20)
 
 
+def test_hetero_rows_keep_the_users_overrides_under_their_own():
+    """--overrides reach the hetero-compute rows that set fields of their own (the "auto" rows'
+    controller options), and a row's own field wins where both set it."""
+    from cloudtrain.tools.hetero import ROWS, row_overrides
+
+    given = json.dumps({"controller": {"hidden_fraction": 0.1}, "global_batch": 64})
+    merged = json.loads(row_overrides(given, ROWS["auto-shares"][2]))
+    assert merged == {"controller": {"hidden_fraction": 0.1}, "global_batch": None}
+    assert json.loads(row_overrides(None, {"outer": {"work": "time"}})) == {
+        "outer": {"work": "time"}
+    }
+
+
 def test_hetero_compute_shares_the_batch_by_measured_throughput(tmp_path):
     """Region eu's emulated accelerator 3x slower: alone its ranks train about a third as many
     samples per second; with batch shares the fast ranks take the larger part of each step."""

@@ -14,8 +14,10 @@ Side by side, with the same data and seed:
 - DDP with no region slowed: the quality reference;
 - DDP, "auto" without and with batch shares (CompressionConfig(global_batch=...), cloudtrain.
   shares), all with region eu slowed;
-- the outer loop ("diloco") counting H steps, and working by time (OuterConfig(work="time")),
-  also with each exchange running one inner step behind (overlap=1).
+- the outer loop ("diloco") with no region slowed: the outer rows' own quality reference (what
+  the outer loop costs against DDP, apart from what a slower region does);
+- the outer loop counting H steps, and working by time (OuterConfig(work="time")), also with
+  each exchange running one inner step behind (overlap=1).
 
 Each row's throughput is the samples every rank trained on in the wall-clock window that all
 ranks spend past their warm-up steps, over that window (every rank reports its own steps:
@@ -44,12 +46,15 @@ ROWS: dict[str, tuple[str, str, dict | None, bool]] = {
     "ddp": ("DDP", "ddp", None, True),
     "auto": ('"auto"', "cloud-auto", None, True),
     "auto-shares": ('"auto" + batch shares', "cloud-auto", {"global_batch": None}, True),
+    "diloco-even": ('"diloco", no region slowed', "cloud-diloco", None, False),
     "diloco": ('"diloco", H steps', "cloud-diloco", None, True),
     "diloco-time": ('"diloco", work by time', "cloud-diloco", {"outer": {"work": "time"}}, True),
     "diloco-overlap": ('"diloco", by time, overlap 1', "cloud-diloco", BEHIND, True),
 }
 """Row -> (label, method, CompressionConfig overrides, region eu slowed). global_batch None: the
-workload's global batch (the bench's --batch for its MLP)."""
+workload's global batch (the bench's --batch for its MLP). A row's overrides go over the bench's
+--overrides, field by field (e.g. --overrides '{"controller": {"hidden_fraction": 0.1}}' reaches
+the "auto" rows)."""
 
 SLOW_REGION = "eu"
 
@@ -89,6 +94,11 @@ def window_rate(reports: list[dict[str, list[float]]], warmup: int) -> float:
     return inside / (stop - start)
 
 
+def row_overrides(given: str | None, row: dict) -> str:
+    """The CompressionConfig fields of a row (JSON): the row's over the bench's --overrides."""
+    return json.dumps({**json.loads(given or "{}"), **row})
+
+
 def drive(args: argparse.Namespace, regions: list[str], wan: Any, progress: Any) -> dict[str, Any]:
     """Every row of ROWS (or --hetero-rows) on the emulated network `wan` (None: loopback)."""
     rows, runs = [], []
@@ -96,7 +106,7 @@ def drive(args: argparse.Namespace, regions: list[str], wan: Any, progress: Any)
         label, method, overrides, slowed = ROWS[name]
         row_args = argparse.Namespace(**vars(args))
         if overrides is not None:
-            row_args.overrides = json.dumps(overrides)
+            row_args.overrides = row_overrides(args.overrides, overrides)
         row_args.slowdown = args.slowdown if slowed else 1.0
         row_args.slow_region = SLOW_REGION
         with tempfile.TemporaryDirectory(prefix="cloudtrain-hetero-") as folder:
