@@ -121,6 +121,7 @@ def drive(args: argparse.Namespace, regions: list[str], wan: Any, progress: Any)
         rows.append({
             "row": name, "label": label, "samples_per_s": whole, "rank_samples_per_s": own,
             "accuracy": run.accuracy, "metric": run.metric, "plans": run.plans,
+            "comm_ms_per_step": run.comm_ms,  # rank 0's stats().seconds over all its steps
         })  # fmt: skip
     ideal = next((r for r in rows if r["row"] == "ideal"), None)
     reference = next((r for r in rows if r["row"] == "ddp-even"), None)
