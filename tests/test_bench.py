@@ -246,7 +246,8 @@ def test_hetero_throughput_counts_every_rank_over_the_window_all_share(tmp_path)
 
 def test_hetero_rows_keep_the_users_overrides_under_their_own():
     """--overrides reach the hetero-compute rows that set fields of their own (the "auto" rows'
-    controller options), and a row's own field wins where both set it."""
+    controller options, the by-time rows' outer options), and a row's own field wins where both
+    set it."""
     from cloudtrain.tools.hetero import ROWS, row_overrides
 
     given = json.dumps({"controller": {"hidden_fraction": 0.1}, "global_batch": 64})
@@ -254,6 +255,11 @@ def test_hetero_rows_keep_the_users_overrides_under_their_own():
     assert merged == {"controller": {"hidden_fraction": 0.1}, "global_batch": None}
     assert json.loads(row_overrides(None, {"outer": {"work": "time"}})) == {
         "outer": {"work": "time"}
+    }
+    # a section both set is merged: the user's outer momentum reaches the by-time row
+    given = json.dumps({"outer": {"outer_momentum": 0.5, "work": "steps"}})
+    assert json.loads(row_overrides(given, ROWS["diloco-time"][2])) == {
+        "outer": {"outer_momentum": 0.5, "work": "time"}
     }
 
 

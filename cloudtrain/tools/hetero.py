@@ -95,8 +95,15 @@ def window_rate(reports: list[dict[str, list[float]]], warmup: int) -> float:
 
 
 def row_overrides(given: str | None, row: dict) -> str:
-    """The CompressionConfig fields of a row (JSON): the row's over the bench's --overrides."""
-    return json.dumps({**json.loads(given or "{}"), **row})
+    """The CompressionConfig fields of a row (JSON): the row's over the bench's --overrides, field
+    by field - a section both set (such as "outer" or "controller") merged, the row's fields
+    winning."""
+    merged = json.loads(given or "{}")
+    for key, value in row.items():
+        section = merged.get(key)
+        both = isinstance(section, dict) and isinstance(value, dict)
+        merged[key] = {**section, **value} if both else value
+    return json.dumps(merged)
 
 
 def drive(args: argparse.Namespace, regions: list[str], wan: Any, progress: Any) -> dict[str, Any]:
