@@ -264,25 +264,42 @@ def test_hetero_rows_keep_the_users_overrides_under_their_own():
 
 
 def test_hetero_compute_shares_the_batch_by_measured_throughput(tmp_path):
-    """Region eu's emulated accelerator 3x slower: alone its ranks train about a third as many
-    samples per second; with batch shares the fast ranks take the larger part of each step."""
+    """Region eu with half the ranks (--ranks-per-region 2 1) and its emulated accelerator 3x
+    slower: alone its rank trains about a third as many samples per second as a fast one; with
+    batch shares the fast ranks take the larger part of each step."""
     cmd = [
         sys.executable, "-m", "cloudtrain.tools.bench", "--scenario", "hetero-compute",
-        "--steps", "40", "--warmup", "20", "--hidden", "256", "--batch", "256", "--sample-ms", "2",
-        "--slowdown", "3", "--hetero-rows", "ideal", "auto-shares", "--out", str(tmp_path), "--json",
+        "--steps", "40", "--warmup", "20", "--hidden", "256", "--batch", "192", "--sample-ms", "2",
+        "--slowdown", "3", "--hetero-rows", "ideal", "auto-shares", "--ranks-per-region", "2", "1",
+        "--out", str(tmp_path), "--json",
     ]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["ranks"] == 3 and "2 ranks in us, 1 ranks in eu" in report["network"]
     rows = {r["row"]: r for r in report["rows"]}
     fast, slow = rows["ideal"]["rank_samples_per_s"][:2], rows["ideal"]["rank_samples_per_s"][2:]
-    assert min(fast) > 2 * max(slow), rows["ideal"]["rank_samples_per_s"]
+    assert len(slow) == 1 and min(fast) > 2 * slow[0], rows["ideal"]["rank_samples_per_s"]
     assert rows["ideal"]["x_ideal"] == 1 and rows["ideal"]["samples_per_s"] == sum(fast + slow)
     shared = rows["auto-shares"]["rank_samples_per_s"]
     # the shares are in force after the warm-up (SHARE_LEAD steps after the first warm decision):
     # in lockstep, the fast ranks' samples per second are their larger shares
-    assert min(shared[:2]) > 1.3 * max(shared[2:]), shared
-    assert report["slow_region_alone_samples_per_s"] == pytest.approx(sum(slow))
+    assert min(shared[:2]) > 1.3 * shared[2], shared
+    assert report["slow_region_alone_samples_per_s"] == pytest.approx(slow[0])
+
+
+def test_ranks_per_region_other_than_two_each_is_for_hetero_compute_only():
+    """The other scenarios' tables and predictions are for 2 regions x 2 ranks: another layout
+    is refused before anything starts, naming the scenario that takes it."""
+    for argv, message in (
+        (["--ranks-per-region", "2", "1"], "only with --scenario hetero-compute"),
+        (["--scenario", "hetero-compute", "--ranks-per-region", "2", "0"], "at least 1 rank"),
+    ):
+        res = subprocess.run(
+            [sys.executable, "-m", "cloudtrain.tools.bench", *argv],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert res.returncode != 0 and message in res.stderr, res.stderr[-2000:]
 
 
 def test_estimates_bench_reports_each_link_against_one_tcp_flow(tmp_path):

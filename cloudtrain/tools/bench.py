@@ -162,7 +162,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
 
     from . import netem
 
-    regions = ["us", "us", "eu", "eu"]
+    counts = dict(zip(("us", "eu"), args.ranks_per_region, strict=True))
+    regions = [region for region, n in counts.items() for _ in range(n)]
     ok, why = netem.available()  # False only where the machine lacks root, ip/tc or tbf
     wan = None
     links = scenario_links(args)
@@ -170,14 +171,14 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         unshaped = dict.fromkeys(("us", "eu"), UNSHAPED_MBIT)
         name = f"bench{os.getpid()}"  # unique among the benches running now
         wan = netem.Emulator(
-            {"us": 2, "eu": 2},
+            counts,
             links.up or unshaped,
             rtt_ms=links.rtt_ms,
             name=name,
             down_mbit=links.down or unshaped,
         ).up()
         network = (
-            f"2 regions x 2 ranks in network namespaces, {netem_describe(links)}; "
+            f"{_ranks_describe(counts)} in network namespaces, {netem_describe(links)}; "
             f"emulation: {wan.emulation} ({wan.emulation_note})"
         )
     else:
@@ -276,8 +277,9 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
 
 def _hetero_report(args: argparse.Namespace, report: dict[str, Any], network: str) -> dict:
     mlp = args.workload == "bench-mlp"  # (the other workloads have a global batch of their own)
-    report.update(scenario=args.scenario, network=network, steps=args.steps,
-                  global_batch=args.batch if mlp else "the workload's",
+    ranks = sum(args.ranks_per_region)  # the MLP's batch is --batch // ranks a rank
+    report.update(scenario=args.scenario, network=network, steps=args.steps, ranks=ranks,
+                  global_batch=args.batch // ranks * ranks if mlp else "the workload's",
                   model=f"MLP 64-{args.hidden}-{args.hidden}-10 on digits" if mlp
                   else f"workload {args.workload}")  # fmt: skip
     save_report(report, args.out, f"bench-{args.scenario}")
@@ -385,6 +387,13 @@ def _predict(
         step = sum(n * t for n, (t, _) in zip(spans, predicted, strict=True)) / sum(spans)
         sent = [sum(n * sum(b) for n, (_, b) in zip(spans, predicted, strict=True)) / sum(spans)]
     return 1000 * step, sum(sent) / 1e6
+
+
+def _ranks_describe(counts: dict[str, int]) -> str:
+    """'2 regions x 2 ranks', or each region's ranks where they differ."""
+    if len(set(counts.values())) == 1:
+        return f"{len(counts)} regions x {next(iter(counts.values()))} ranks"
+    return ", ".join(f"{n} ranks in {region}" for region, n in counts.items())
 
 
 def _plan(senders: list) -> Plan:
@@ -564,6 +573,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "region - torch's HSDP with its dense all-reduce across regions, cloudtrain.fully_shard "
         '"auto" and "diloco-4bit" - with step time, WAN bytes, memory per rank and loss',
     )
+    parser.add_argument(
+        "--ranks-per-region",
+        nargs=2,
+        type=int,
+        default=[2, 2],
+        metavar=("US", "EU"),
+        help="ranks in region us and in region eu (default 2 2; other than 2 2 with --scenario "
+        "hetero-compute only, e.g. 1 1: one rank a region, or 2 1: region eu with half the GPUs)",
+    )
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the step time")
     parser.add_argument("--hidden", type=int, default=1024)
@@ -624,6 +642,14 @@ def run(args: argparse.Namespace) -> int:
         args.sample_ms = hetero.SAMPLE_MS if args.scenario == "hetero-compute" else 0.0
     if args.worker:
         return worker(args)
+    if args.ranks_per_region != [2, 2] and args.scenario != "hetero-compute":
+        raise SystemExit(
+            f"--ranks-per-region {' '.join(map(str, args.ranks_per_region))}: only with --scenario "
+            "hetero-compute (the other scenarios' predictions and tables are for 2 regions x 2 "
+            "ranks); leave it out, or add --scenario hetero-compute"
+        )
+    if min(args.ranks_per_region) < 1:
+        raise SystemExit("--ranks-per-region: every region needs at least 1 rank, e.g. 2 1")
     if args.warmup >= args.steps:
         raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
     if args.scenario == "drop" and not args.warmup < args.drop_at <= args.steps - 5:

@@ -5,8 +5,9 @@
 
 Every rank computes on an emulated accelerator (cloudtrain.tools.runner.accelerator: after each
 forward it sleeps --sample-ms per sample of its batch, as a GPU takes time in proportion to its
-batch), region eu's --slowdown times slower; 2 regions x 2 ranks joined by 100 Mbit/s links with
-80 ms RTT (--mbit, --rtt-ms), at a global batch of 2048 (--batch).
+batch), region eu's --slowdown times slower; 2 regions x 2 ranks (--ranks-per-region: e.g. 2 1,
+region eu with half the GPUs) joined by 100 Mbit/s links with 80 ms RTT (--mbit, --rtt-ms), at a
+global batch of 2048 (--batch).
 Side by side, with the same data and seed:
 
 - every rank alone, compute only (no communication, on loopback): the ideal - the sum of the
