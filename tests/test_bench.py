@@ -276,7 +276,7 @@ def test_hetero_compute_shares_the_batch_by_measured_throughput(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
-    assert report["ranks"] == 3 and "2 ranks in us, 1 ranks in eu" in report["network"]
+    assert report["ranks"] == 3 and "2 ranks in us, 1 rank in eu" in report["network"]
     rows = {r["row"]: r for r in report["rows"]}
     fast, slow = rows["ideal"]["rank_samples_per_s"][:2], rows["ideal"]["rank_samples_per_s"][2:]
     assert len(slow) == 1 and min(fast) > 2 * slow[0], rows["ideal"]["rank_samples_per_s"]

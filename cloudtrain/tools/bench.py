@@ -390,10 +390,15 @@ def _predict(
 
 
 def _ranks_describe(counts: dict[str, int]) -> str:
-    """'2 regions x 2 ranks', or each region's ranks where they differ."""
+    """'2 regions x 2 ranks', or each region's ranks where they differ ('2 ranks in us, 1 rank
+    in eu')."""
+
+    def ranks(n: int) -> str:
+        return f"{n} rank{'s' if n != 1 else ''}"
+
     if len(set(counts.values())) == 1:
-        return f"{len(counts)} regions x {next(iter(counts.values()))} ranks"
-    return ", ".join(f"{n} ranks in {region}" for region, n in counts.items())
+        return f"{len(counts)} regions x {ranks(next(iter(counts.values())))}"
+    return ", ".join(f"{ranks(n)} in {region}" for region, n in counts.items())
 
 
 def _plan(senders: list) -> Plan:
