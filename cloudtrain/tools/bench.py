@@ -168,7 +168,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     wan = None
     links = scenario_links(args)
     if ok:
-        unshaped = dict.fromkeys(("us", "eu"), UNSHAPED_MBIT)
+        unshaped = dict.fromkeys(counts, UNSHAPED_MBIT)
         name = f"bench{os.getpid()}"  # unique among the benches running now
         wan = netem.Emulator(
             counts,
@@ -277,9 +277,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
 
 def _hetero_report(args: argparse.Namespace, report: dict[str, Any], network: str) -> dict:
     mlp = args.workload == "bench-mlp"  # (the other workloads have a global batch of their own)
-    ranks = sum(args.ranks_per_region)  # the MLP's batch is --batch // ranks a rank
-    report.update(scenario=args.scenario, network=network, steps=args.steps, ranks=ranks,
-                  global_batch=args.batch // ranks * ranks if mlp else "the workload's",
+    report.update(scenario=args.scenario, network=network, steps=args.steps,
+                  global_batch=report["global_batch"] if mlp else "the workload's",
                   model=f"MLP 64-{args.hidden}-{args.hidden}-10 on digits" if mlp
                   else f"workload {args.workload}")  # fmt: skip
     save_report(report, args.out, f"bench-{args.scenario}")

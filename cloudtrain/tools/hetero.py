@@ -148,7 +148,8 @@ def drive(args: argparse.Namespace, regions: list[str], wan: Any, progress: Any)
                 else row["accuracy"] / reference["accuracy"] - 1
             )
     return {"slowdown": args.slowdown, "slow_region": SLOW_REGION, "rows": rows,
-            "slow_region_alone_samples_per_s": slow}  # fmt: skip
+            "slow_region_alone_samples_per_s": slow, "ranks": len(regions),
+            "global_batch": runs[0].per_rank * len(regions)}  # fmt: skip
 
 
 def print_table(report: dict[str, Any]) -> None:
