@@ -341,8 +341,14 @@ class Controller:
         self.reprobe = bool(state["reprobe"])
         self._pending = None
         if state["pending"] is not None:  # the decision on its way when it was saved
+            pending = Decision.from_state(state["pending"])
+            ranks = None if self.shares is None else self.shares.ranks
+            if pending.shares is not None and len(pending.shares) != ranks:
+                # saved with another number of ranks: their shares start equal again
+                # (BatchShares.load_state_dict) and are planned anew from what they measure
+                pending = dataclasses.replace(pending, shares=None)
             self._pending = concurrent.futures.Future()
-            self._pending.set_result(Decision.from_state(state["pending"]))
+            self._pending.set_result(pending)
         self.history = list(state["history"])
         # (states saved before 2026-12 have no first_rungs: this process's start-up plan stands)
         self.first_rungs = tuple(state.get("first_rungs", self.first_rungs))

@@ -458,15 +458,18 @@ class OuterLoop:
                 self._sync(f)
 
     def _due(self, f: int) -> bool:
-        """Fragment f syncs now: at its offset in every round, fragment 0 at the round's end."""
+        """Fragment f syncs now: at its offset in every round, fragment 0 at the round's end.
+        With work="time", a first round whose end passed before the schedule was chosen (an H
+        under DECIDE_AFTER) ends at once: every region chose at the same step, so every region
+        syncs there."""
         schedule = self.schedule
         assert schedule is not None
         if schedule.provisional:
             return f == 0 and self.step - schedule.start == schedule.sync_every
         if self.outer.work == "steps":
             return (self.step - schedule.start - self.offset(f)) % schedule.sync_every == 0
-        h = self.round_length()
-        return self.step - self.rounds.start == (self.offset(f, h) if f else h)
+        h, into = self.round_length(), self.step - self.rounds.start
+        return into >= h if f == 0 else into == self.offset(f, h)
 
     def _decide(self) -> None:
         """H and the codecs, from rank 0's measured step time (with work="time" the slowest

@@ -155,9 +155,10 @@ class BatchShares:
         if self.drawn_through >= step + SHARE_LEAD:
             raise RuntimeError(
                 f"cloudtrain.ShareSampler drew the batch of step {self.drawn_through} while "
-                f"training was at step {step}: a data loader may run at most {SHARE_LEAD} steps "
-                "ahead (cloudtrain.shares.SHARE_LEAD), or its batches would not match the shares "
-                "in force at their step; lower num_workers x prefetch_factor"
+                f"training was at step {step}: a data loader may run at most {SHARE_LEAD - 1} "
+                f"steps ahead (cloudtrain.shares.SHARE_LEAD = {SHARE_LEAD}), or its batches would "
+                "not match the shares in force at their step; keep num_workers x prefetch_factor "
+                f"under {SHARE_LEAD}"
             )
 
     def state_dict(self) -> dict[str, Any]:

@@ -206,6 +206,31 @@ def test_auto_schedule_chooses_h_from_the_slowest_region():
     assert n0 >= n1
 
 
+def _short_h(rank, world, total):
+    import cloudtrain
+
+    cloudtrain.init()
+    outer = OuterConfig(sync_every=3, work="time")  # the codecs "auto": chosen at DECIDE_AFTER
+    *_, ddp = build(outer, "per-rank")
+    opt = ddp.outer.optimizer
+    rounds, steps = train_until(ddp, opt, rank, 0, total, FAST, lambda _, loop: loop.step >= 40)
+    ddp.finish_outer()
+    ddp.verify_replicas()
+    return [h for _, h in rounds], steps, ddp.samples_done
+
+
+def test_an_h_shorter_than_the_wait_for_the_codecs_still_syncs():
+    """sync_every=3 with the codecs "auto", which are chosen after DECIDE_AFTER = 5 steps: the
+    first round, whose end passed before that, ends there in every region (it never ended: no
+    sync, samples_done stuck at 0, a user's `while samples_done < total` loop endless); then
+    rounds of 3."""
+    total = 2 * 8 * 12
+    results = run_ranks(2, _short_h, total, timeout=120)
+    for h, steps, done in results:
+        assert done >= total and steps == 5 + 3 * 3, (h, steps, done)  # 80 + 3 x 48 samples
+        assert h == [3] * 4, h
+
+
 # -- the pieces, and bad input -------------------------------------------------------------------
 
 

@@ -70,7 +70,7 @@ def test_a_schedule_change_takes_effect_after_the_lead_and_weights_by_share():
     with pytest.raises(ValueError, match="resume with the same global_batch"):
         BatchShares(16, 2).load_state_dict(shares.state_dict())
     shares.drawn_through = 40 + SHARE_LEAD
-    with pytest.raises(RuntimeError, match="at most 8 steps ahead"):
+    with pytest.raises(RuntimeError, match="at most 7 steps ahead"):
         shares.change(40, (4, 8))
 
 
@@ -102,13 +102,20 @@ def data() -> torch.utils.data.TensorDataset:
     )
 
 
-def _shared(rank, world, ms_per_sample, steps, global_batch, resume=None, save_at=None):
+def _shared(
+    rank, world, ms_per_sample, steps, global_batch, resume=None, save_at=None, regions="per-rank"
+):
     """CloudDDP(auto, global_batch) over ShareSampler's batches: params, the schedule of shares,
-    the batches' indices by step, and (with save_at) the states at that step."""
+    the batches' indices by step, and (with save_at) the states at that step. `regions`:
+    "per-rank", or each rank's region, given as a cluster gives it (CLOUDTRAIN_REGION)."""
+    import os
+
     import cloudtrain
 
+    if regions != "per-rank":
+        os.environ["CLOUDTRAIN_REGION"], regions = regions.split(",")[rank], "env"
     cloudtrain.init()
-    cfg = CompressionConfig(regions="per-rank", controller=LOSSLESS, global_batch=global_batch)
+    cfg = CompressionConfig(regions=regions, controller=LOSSLESS, global_batch=global_batch)
     slowed = Slowed(ms_per_sample[rank])
     model = cloudtrain.CloudDDP(slowed, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -252,6 +259,29 @@ def test_resume_keeps_the_shares_and_the_samplers_position(tmp_path):
             assert _at(a[1], step) == _at(b[1], step), f"step {step}'s shares differ"
             assert a[2][step] == b[2][step], f"step {step}'s batch differs after the resume"
     assert len(set(_at(straight[0][1], save_at))) > 1, "shares never differed: nothing kept"
+
+
+def test_resume_on_fewer_ranks_a_region_plans_the_shares_anew():
+    """Saved by 2 regions x 2 ranks with shares in force and a decision on its way (it carries
+    shares for 4 ranks), resumed by 2 regions x 1 rank, each rank loading what its rank saved:
+    the shares start equal, are planned anew from what the 2 ranks measure, and the decision
+    saved does not stop the run (it raised 'do not split' at the first step it was due)."""
+    save_at = 20
+    four = run_ranks(4, _shared, [1.0, 1.0, 4.0, 4.0], save_at + 1, 64, None, save_at, "a,a,b,b",
+                     timeout=300)  # fmt: skip
+    saved = [four[r][3] for r in (0, 1)]  # each rank loads what its rank saved
+    pending = saved[0]["comm"]["controller"]["pending"]
+    assert pending is not None and len(pending["shares"]) == 4, pending
+    assert len(set(_at(four[0][1], save_at))) > 1, "shares never differed: nothing to carry"
+    state = {key: [s[key] for s in saved] for key in ("model", "opt", "comm", "sampler")}
+    steps = save_at + 3 * SHARE_LEAD
+    two = run_ranks(2, _shared, [1.0, 4.0], steps, 64, state, None, "a,b", timeout=300)
+    schedule = two[0][1]
+    assert all(r[1] == schedule for r in two), "every rank holds the same shares"
+    assert [len(r[2][save_at]) for r in two] == [32, 32], "the shares start equal again"
+    final = schedule[-1][1]
+    assert final[0] > final[1], f"rank 1 computes 4x slower: the shares {schedule}"
+    assert_identical([r[0] for r in two])
 
 
 def _at(changes, step):
