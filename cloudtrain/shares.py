@@ -220,7 +220,12 @@ class ShareSampler(torch.utils.data.Sampler[list[int]]):
         return torch.randperm(self.size, generator=gen)
 
     def __iter__(self) -> Iterator[list[int]]:
-        """The rest of the epoch (all of it after the last one ended)."""
+        """The rest of the epoch (all of it after the last one ended), from the first step not
+        trained yet: what an iterator left before (a loop broken out of, for an evaluation)
+        drew ahead and its loader threw away is drawn again, not skipped. So a new iterator is
+        opened once the batches drawn before are trained or thrown away (as a `for` loop over
+        the loader does)."""
+        self.epoch, self.position = self._trained()
         if self.position >= len(self):
             self.epoch, self.position = self.epoch + 1, 0
         order, batch = self._order(), self.shares.global_batch
@@ -234,15 +239,21 @@ class ShareSampler(torch.utils.data.Sampler[list[int]]):
             step += 1
             yield order[start + mine.start : start + mine.stop].tolist()
 
-    def state_dict(self) -> dict[str, int]:
-        """Where the sampler is: take it at the step the model's state is taken (what a loader
-        prefetched is drawn again after a resume)."""
+    def _trained(self) -> tuple[int, int]:
+        """(epoch, position) of the first step drawn and not trained on yet."""
         done = self.model.steps_done
         ahead = max(self.shares.drawn_through + 1 - done, 0)  # drawn, not yet trained on
         epoch, position = self.epoch, self.position - ahead
         while position < 0:  # (the prefetched batches began in the epoch before)
             epoch, position = epoch - 1, position + len(self)
+        return epoch, position
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the sampler is: take it at the step the model's state is taken (what a loader
+        prefetched is drawn again after a resume)."""
+        epoch, position = self._trained()
         return {"epoch": epoch, "position": position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.shares.drawn_through = -1  # nothing drawn ahead of the state loaded

@@ -261,6 +261,46 @@ def test_resume_keeps_the_shares_and_the_samplers_position(tmp_path):
     assert len(set(_at(straight[0][1], save_at))) > 1, "shares never differed: nothing kept"
 
 
+def _broken_off(rank, world):
+    """Three steps trained, four batches drawn ahead and thrown away (a loader's prefetch, when
+    a loop is broken out of for an evaluation), then a new loop over the sampler."""
+    import cloudtrain
+
+    cloudtrain.init()
+    cfg = CompressionConfig(regions="per-rank", controller=LOSSLESS, global_batch=64)
+    model = cloudtrain.CloudDDP(Slowed(0.0), cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dataset = data()
+    sampler = cloudtrain.ShareSampler(dataset, model, seed=3)
+
+    def train(indices):
+        x, y = dataset[indices]
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    drawn, first = {}, iter(sampler)
+    for _ in range(3):
+        drawn[model.steps_done] = next(first)
+        train(drawn[model.steps_done])
+    thrown = [next(first) for _ in range(4)]
+    state = sampler.state_dict()
+    for indices in sampler:
+        if model.steps_done == 8:
+            break
+        drawn[model.steps_done] = indices
+        train(indices)
+    model.close()
+    return drawn, thrown, state
+
+
+def test_a_new_loop_draws_again_what_the_loop_before_drew_and_threw_away():
+    for drawn, thrown, state in run_ranks(2, _broken_off, timeout=120):
+        assert state == {"epoch": 0, "position": 3}, state
+        assert [drawn[step] for step in range(3, 7)] == thrown, "batches skipped"
+        assert sorted(drawn) == list(range(8))
+
+
 def test_resume_on_fewer_ranks_a_region_plans_the_shares_anew():
     """Saved by 2 regions x 2 ranks with shares in force and a decision on its way (it carries
     shares for 4 ranks), resumed by 2 regions x 1 rank, each rank loading what its rank saved:
