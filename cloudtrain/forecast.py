@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .compress.ladders import LADDER, OUTER_LADDER
-from .config import AUTO, CompressionConfig, ControllerOptions
+from .config import AUTO, PRESETS, CompressionConfig, ControllerOptions
 from .costs import CostModel, LinkEstimate, Ring, default_codecs, plain_seconds, plan_levels
 from .guard import first_ceiling
 from .outer import SyncSetting, choose_schedule, fragment_exchange_seconds, outer_zstd
@@ -117,18 +117,41 @@ def load_prices(path: str | Path | None = None) -> dict[str, Any]:
         given = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"price file {path}: {e}") from None
-    prices = {**PRICES, **{k: v for k, v in given.items() if k in ("date", "note", "regions")}}
+    if not isinstance(given, dict):
+        raise ValueError(
+            f"price file {path}: a JSON object of instances, inter_region_per_gb and regions "
+            "(cloudtrain.forecast.PRICES' form)"
+        )
+    prices = {**PRICES, **{k: v for k, v in given.items() if k in ("date", "note")}}
+    prices["regions"] = list(dict.fromkeys([*PRICES["regions"], *given.get("regions", [])]))
     prices["instances"] = {**PRICES["instances"], **given.get("instances", {})}
     prices["inter_region_per_gb"] = {
         **PRICES["inter_region_per_gb"], **given.get("inter_region_per_gb", {})
     }  # fmt: skip
     for name, entry in prices["instances"].items():
-        if not (isinstance(entry, list) and len(entry) == 4 and entry[0] in GPUS):
+        if not (
+            isinstance(entry, list) and len(entry) == 4 and entry[0] in GPUS
+            and isinstance(entry[1], int) and not isinstance(entry[1], bool) and entry[1] >= 1
+            and all(_price(x) for x in entry[2:])
+        ):  # fmt: skip
             raise ValueError(
                 f"price file {path}: instances[{name!r}] must be [GPU, GPUs per host, on-demand "
-                f"$/h, spot $/h] with GPU one of {sorted(GPUS)}, got {entry!r}"
+                f"$/h, spot $/h] with GPU one of {sorted(GPUS)}, at least one GPU and prices of 0 "
+                f"or more, got {entry!r}"
+            )
+    for name, rate in prices["inter_region_per_gb"].items():
+        if not _price(rate):
+            raise ValueError(
+                f"price file {path}: inter_region_per_gb[{name!r}] must be $ per GB, 0 or more, "
+                f"got {rate!r}"
             )
     return prices
+
+
+def _price(value: Any) -> bool:
+    """A price: a number, finite, 0 or more."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value >= 0
 
 
 @dataclass(frozen=True)
@@ -153,6 +176,8 @@ class Cluster:
                 raise ValueError(
                     f"cluster {part!r}: write REGION=HOSTSxINSTANCE_TYPE, e.g. us-east-1=2xp5.48xlarge"
                 )
+            if any(r.name == m[1] for r in regions):
+                raise ValueError(f"cluster: region {m[1]!r} named twice; give each region once")
             regions.append(Region(m[1], m[3], int(m[2]), spot))
         return cls(tuple(regions))
 
@@ -164,14 +189,20 @@ class Cluster:
             raise ValueError(
                 "terraform variables: no `regions` (name -> {instance_count, instance_type})"
             )
-        return cls(
-            tuple(
+        regions = []
+        for name, r in sorted(variables["regions"].items()):
+            missing = [k for k in ("instance_type", "instance_count") if k not in r]
+            if missing:
+                raise ValueError(
+                    f"terraform variables: regions[{name!r}] has no {' or '.join(missing)} "
+                    "(name -> {instance_count, instance_type, slots, spot})"
+                )
+            regions.append(
                 Region(
                     name, r["instance_type"], int(r["instance_count"]), bool(r.get("spot", True))
                 )
-                for name, r in sorted(variables["regions"].items())
             )
-        )
+        return cls(tuple(regions))
 
 
 @dataclass(frozen=True)
@@ -213,6 +244,16 @@ class Workload:
             raise ValueError(f"params={self.params!r}: the model's parameter count, e.g. 7e9")
         if (self.tokens_per_gpu is None) == (self.step_s is None):
             raise ValueError("give the compute per step as tokens_per_gpu or as a measured step_s")
+        for name, value in (
+            ("tokens_per_gpu", self.tokens_per_gpu), ("step_s", self.step_s),
+            ("mfu", self.mfu), ("intra_gbit", self.intra_gbit),
+        ):  # fmt: skip
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r}: give a number above 0")
+        if self.mfu > 1:
+            raise ValueError(f"mfu={self.mfu!r}: a share of the GPU's peak FLOPs, at most 1")
+        if not (math.isfinite(self.activation_gb) and self.activation_gb >= 0):
+            raise ValueError(f"activation_gb={self.activation_gb!r}: give 0 or more GB")
 
 
 OUTER_MODES = ("diloco", "diloco-4bit")
@@ -237,7 +278,8 @@ def outer_mode(text: str) -> tuple[str, int | None]:
 class ModeForecast:
     mode: str
     config: dict[str, Any] | None
-    """The CompressionConfig of the mode (CompressionConfig.to_dict), None for plain DDP."""
+    """The CompressionConfig of the mode (CompressionConfig.to_dict; with fp16, the "fp16"
+    preset's), None for plain DDP."""
     step_s: float
     compute_s: float
     wan_gb_per_1000: float
@@ -311,6 +353,12 @@ def _check(cluster: Cluster, links: Mapping[tuple[str, str], Link], prices: dict
             )
         if region.hosts < 1:
             raise ValueError(f"region {region.name}: at least one host")
+    strangers = sorted({r for pair in links for r in pair} - set(names))
+    if strangers:
+        raise ValueError(
+            f"a link names {', '.join(map(repr, strangers))}, not a region of the cluster "
+            f"{names}: check the spelling of --link"
+        )
     missing = [(a, b) for a in names for b in names if a != b and (a, b) not in links]
     if missing:
         raise ValueError(
@@ -353,9 +401,10 @@ def forecast(
     ])  # fmt: skip
     if not any(r.fits for r in rows):
         need = min(r.memory_gb for r in rows) + workload.activation_gb
+        more = "more GPUs in each region" if workload.shard else "--shard (FSDP inside each region)"
         raise ValueError(
-            f"the model fits no mode: {need:.0f} GB per GPU against {memory:.0f} GB "
-            "(90 % usable): choose GPUs with more memory, or shard the model inside each region"
+            f"the model fits no mode: {need:.0f} GB per GPU against {0.9 * memory:.0f} GB usable "
+            f"(90 % of {memory:.0f}): choose GPUs with more memory, or {more}"
         )
     return result
 
@@ -545,7 +594,8 @@ class _Context:
         step, wan = predict_ddp(self.setting(), nbytes_per_param, hsdp=self.workload.shard)
         mode = "HSDP (FSDP2)" if self.workload.shard else "DDP"
         mode += "" if nbytes_per_param == 4 else " + fp16 hook"
-        return self.row(mode, None, step, wan, self.memory_gb(0), "")
+        config = None if nbytes_per_param == 4 else dict(PRESETS["fp16"])
+        return self.row(mode, config, step, wan, self.memory_gb(0), "")
 
     def auto(self) -> list[ModeForecast]:
         """Per-step "auto": the cost model's rung per link, synchronous (the quality guard

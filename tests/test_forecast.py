@@ -9,6 +9,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import hcl2
 import pytest
@@ -28,6 +29,7 @@ from cloudtrain.forecast import (
     predict_ddp,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 TWO = Cluster.parse("us-east-1=2xp5.48xlarge,eu-west-1=2xp5.48xlarge")
 US_EU = {("us-east-1", "eu-west-1"): Link(1000, 80), ("eu-west-1", "us-east-1"): Link(1000, 80)}
 MODEL = Workload(1.3e9, tokens_per_gpu=16384)
@@ -98,7 +100,7 @@ def test_a_single_region_has_no_cross_region_modes():
         ("us-east-1=1xg5.xlarge,eu-west-1=1xg5.xlarge", dict(list(US_EU.items())[:1]), MODEL,
          "no link given for eu-west-1 -> us-east-1"),
         ("us-east-1=1xg5.xlarge,eu-west-1=1xg5.xlarge", US_EU, Workload(7e9, step_s=1.0),
-         "fits no mode: 112 GB per GPU against 24 GB"),
+         "fits no mode: 112 GB per GPU against 22 GB usable"),
     ],
 )  # fmt: skip
 def test_bad_inputs_name_what_to_add(cluster, links, workload, message):
@@ -106,6 +108,61 @@ def test_bad_inputs_name_what_to_add(cluster, links, workload, message):
         forecast(workload, Cluster.parse(cluster), links)
     with pytest.raises(ValueError, match="tokens_per_gpu or as a measured step_s"):
         Workload(1e6)
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "cloudtrain.cli", "plan", "--params", "125e6", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_plan_reads_the_examples_tfvars_and_prices_them_on_demand():
+    """The HCL file of terraform/examples/two-region (python-hcl2 keeps its strings' quotes),
+    spot as it says, and on demand with --on-demand."""
+    tfvars = str(ROOT / "terraform" / "examples" / "two-region" / "terraform.tfvars")
+    base = ["--step-ms", "200", "--tfvars", tfvars, "--profile", "us-eu", "--json"]
+    spot, on_demand = _plan(*base), _plan(*base, "--on-demand")
+    assert spot.returncode == on_demand.returncode == 0, spot.stderr + on_demand.stderr
+    ddp = [next(r for r in json.loads(res.stdout)["rows"] if r["mode"] == "DDP")
+           for res in (spot, on_demand)]  # fmt: skip
+    hours = 1000 * ddp[0]["step_s"] / 3600
+    instances = [d["dollars_per_1000"] - d["egress_dollars_per_1000"] for d in ddp]
+    g5 = PRICES["instances"]["g5.xlarge"]
+    assert instances == pytest.approx([4 * g5[3] * hours, 4 * g5[2] * hours])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tfvars", "/nonexistent/terraform.tfvars.json"],
+         "--tfvars /nonexistent/terraform.tfvars.json: No such file or directory"),
+        (["--cluster", "us-east-1=1xg5.xlarge,us-east-1=2xg5.xlarge"], "'us-east-1' named twice"),
+        (["--cluster", "us-east-1=1xg5.xlarge,eu-west-1=1xg5.xlarge", "--profile", "us-eu",
+          "--link", "us-east-1,eu-central-1=1000:80"],
+         "a link names 'eu-central-1', not a region of the cluster"),
+        (["--cluster", "us-east-1=1xg5.xlarge,eu-west-1=1xg5.xlarge",
+          "--link", "us-east-1,eu-west-1=0:80"], "0.0 Mbit/s: give its rate, above 0"),
+        (["--cluster", "us-east-1=1xg5.xlarge", "--mfu", "0"], "mfu=0.0: give a number above 0"),
+        (["--cluster", "us-east-1=1xg5.xlarge", "--prices", "PRICES"],
+         "inter_region_per_gb['default'] must be $ per GB, 0 or more"),
+        (["--cluster", "us-east-1=1xg5.xlarge", "--probe", "PROBE"],
+         "no beta_Bps and alpha_s matrices"),
+    ],
+)  # fmt: skip
+def test_plan_names_bad_input_in_one_line(tmp_path, args, message):
+    prices, probe = tmp_path / "prices.json", tmp_path / "probe.json"
+    prices.write_text(json.dumps({"inter_region_per_gb": {"default": -0.02}}))
+    probe.write_text(json.dumps({"beta": []}))
+    args = [{"PRICES": str(prices), "PROBE": str(probe)}.get(a, a) for a in args]
+    res = _plan(*([] if "--step-ms" in args else ["--step-ms", "200"]), *args)
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.startswith("cloudtrain plan: ") and message in res.stderr, res.stderr
+
+
+def test_emit_writes_the_fp16_preset_where_the_fp16_row_is_recommended(tmp_path):
+    res = _plan("--tokens-per-gpu", "8192", "--params", "7e9",
+                "--cluster", "us-east-1=2xp5en.48xlarge", "--emit", str(tmp_path))  # fmt: skip
+    assert res.returncode == 0 and "recommended: DDP + fp16 hook" in res.stdout, res.stdout
+    assert CompressionConfig.resolve(str(tmp_path / "cloudtrain.json")).codec == "fp16"
 
 
 def test_a_link_without_a_rate_or_with_a_round_trip_out_of_range_is_refused():
@@ -127,9 +184,16 @@ def test_a_price_file_overrides_and_a_malformed_one_is_refused(tmp_path):
     assert prices["date"] == "2027-01" and prices["instances"]["g5.xlarge"][3] == 1.0
     assert prices["instances"]["p5.48xlarge"] == PRICES["instances"]["p5.48xlarge"]
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"instances": {"x.large": ["H100", 8]}}))
-    with pytest.raises(ValueError, match=r"instances\['x.large'\] must be \[GPU, GPUs per host"):
+    for entry in (["H100", 8], ["H100", 0, 1.0, 1.0], ["H100", 8, -16.3, 6.5], ["H100", "8", 1, 1]):
+        bad.write_text(json.dumps({"instances": {"x.large": entry}}))
+        with pytest.raises(ValueError, match=r"instances\['x.large'\] must be \[GPU, GPUs per"):
+            load_prices(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="a JSON object of instances"):
         load_prices(bad)
+    more = tmp_path / "more.json"  # a region added: the built-in ones stay known
+    more.write_text(json.dumps({"regions": ["me-central-1"]}))
+    assert load_prices(more)["regions"] == [*PRICES["regions"], "me-central-1"]
 
 
 def test_emit_writes_a_config_cloudddp_loads_and_variables_terraform_accepts(tmp_path):

@@ -16,6 +16,7 @@ cluster, as terraform/examples/two-region takes it: set operator_cidrs to your a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -37,26 +38,60 @@ def _links(args: argparse.Namespace, names: list[str]) -> dict[tuple[str, str], 
         try:
             pair, value = text.split("=")
             a, b = pair.split(",")
-            mbit, rtt = value.split(":")
-            links[(a.strip(), b.strip())] = Link(float(mbit), float(rtt))
+            mbit, rtt = (float(x) for x in value.split(":"))
         except ValueError:
-            raise SystemExit(
+            raise ValueError(
                 f"--link {text!r}: write FROM,TO=MBIT:RTT_MS, e.g. us-east-1,eu-west-1=1000:80"
             ) from None
+        try:
+            links[(a.strip(), b.strip())] = Link(mbit, rtt)
+        except ValueError as e:
+            raise ValueError(f"--link {text!r}: {e}") from None
     return links
+
+
+def _read(option: str, path: str) -> str:
+    """The text of the file an option names; a clear error where it cannot be read."""
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"{option} {path}: {e.strerror or e}") from None
+
+
+def _json(option: str, path: str) -> Any:
+    try:
+        return json.loads(_read(option, path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{option} {path}: not JSON ({e})") from None
+
+
+def _unquoted(value: Any) -> Any:
+    """python-hcl2 (from 5 on) keeps the quotes of HCL strings: the values without them."""
+    if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == '"':
+        return value[1:-1]
+    if isinstance(value, dict):
+        return {_unquoted(k): _unquoted(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unquoted(v) for v in value]
+    return value
 
 
 def _probed(path: str, names: list[str], per_region: int | None) -> dict[tuple[str, str], Link]:
     """The links between the regions' first ranks in `cloudtrain probe --json`'s matrix; ranks
     are the regions' in order, `per_region` each (default: as the probe clustered them)."""
-    data = json.loads(Path(path).read_text())
+    data = _json("--probe", path)
+    if not isinstance(data, dict) or not {"beta_Bps", "alpha_s"} <= set(data):
+        raise ValueError(
+            f"--probe {path}: no beta_Bps and alpha_s matrices; give what `cloudtrain probe "
+            "--json` writes"
+        )
     beta, alpha = data["beta_Bps"], data["alpha_s"]
     labels = (
         data.get("regions") if per_region is None else [r // per_region for r in range(len(beta))]
     )
     firsts = {label: labels.index(label) for label in sorted(set(labels))}
     if len(firsts) != len(names):
-        raise SystemExit(
+        raise ValueError(
             f"--probe {path}: {len(firsts)} regions measured, the cluster has {len(names)}: give "
             "--ranks-per-region"
         )
@@ -71,18 +106,26 @@ def _probed(path: str, names: list[str], per_region: int | None) -> dict[tuple[s
 
 def _cluster(args: argparse.Namespace) -> Cluster:
     if args.tfvars:
-        text = Path(args.tfvars).read_text()
         if args.tfvars.endswith(".json"):
-            variables: Any = json.loads(text)
+            variables: Any = _json("--tfvars", args.tfvars)
         else:
+            text = _read("--tfvars", args.tfvars)
             try:
                 import hcl2
             except ImportError:
                 raise SystemExit(
                     "reading .tfvars needs python-hcl2; or give terraform.tfvars.json"
                 ) from None
-            variables = hcl2.loads(text)
-        return Cluster.from_tfvars(variables)
+            try:
+                variables = _unquoted(hcl2.loads(text))
+            except Exception as e:  # the parser's own errors (lark), of several types
+                raise ValueError(f"--tfvars {args.tfvars}: not HCL ({e})") from None
+        if not isinstance(variables, dict):
+            raise ValueError(f"--tfvars {args.tfvars}: no variables (`regions = {{...}}`)")
+        cluster = Cluster.from_tfvars(variables)
+        if args.on_demand:  # over the file's `spot`
+            cluster = Cluster(tuple(dataclasses.replace(r, spot=False) for r in cluster.regions))
+        return cluster
     if not args.cluster:
         raise SystemExit("give the cluster: --cluster REGION=HOSTSxTYPE,... or --tfvars FILE")
     return Cluster.parse(args.cluster, spot=not args.on_demand)
@@ -96,7 +139,7 @@ def _tfvars(cluster: Cluster, prices: dict[str, Any]) -> str:
             f'  "{r.name}" = {{ instance_count = {r.hosts}, instance_type = "{r.instance_type}", '
             f"slots = {slots}, spot = {str(r.spot).lower()} }}"
         )
-    lines += ["}", 'operator_cidrs = ["203.0.113.0/24"] # your address range', ""]
+    lines += ["}", 'operator_cidrs = ["203.0.113.10/32"] # your own address as a /32', ""]
     return "\n".join(lines)
 
 
@@ -111,8 +154,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mfu", type=float, default=0.4, help="with --tokens-per-gpu (default 0.4)"
     )
-    parser.add_argument("--activation-gb", type=float, default=0.0, help="activations per GPU")
-    parser.add_argument("--intra-gbit", type=float, default=100.0, help="bandwidth inside a region")
+    parser.add_argument(
+        "--activation-gb", type=float, default=0.0,
+        help="GB of activations per GPU, counted in its memory (default 0: not counted)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--intra-gbit", type=float, default=100.0,
+        help="Gbit/s between the GPUs of a region, for its dense reductions (default 100)",
+    )  # fmt: skip
     parser.add_argument(
         "--shard", action="store_true",
         help="FSDP inside each region (cloudtrain.fully_shard): state divided by the region's GPUs",
@@ -147,14 +196,17 @@ def run(args: argparse.Namespace) -> int:
         result = forecast(workload, cluster, links, prices, args.outer or OUTER_MODES)
     except ValueError as e:
         raise SystemExit(f"cloudtrain plan: {e}") from None
+    print(json.dumps(result.to_json()) if args.json else result.table())
     if args.emit:
         out = Path(args.emit)
-        out.mkdir(parents=True, exist_ok=True)
         best = result.recommended
         config = best.config if best.config is not None else {"codec": "none"}
-        (out / "cloudtrain.json").write_text(json.dumps(config, indent=1) + "\n")
-        (out / "terraform.tfvars").write_text(_tfvars(cluster, prices))
-    print(json.dumps(result.to_json()) if args.json else result.table())
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "cloudtrain.json").write_text(json.dumps(config, indent=1) + "\n")
+            (out / "terraform.tfvars").write_text(_tfvars(cluster, prices))
+        except OSError as e:
+            raise SystemExit(f"cloudtrain plan: --emit {args.emit}: {e.strerror or e}") from None
     return 0
 
 
