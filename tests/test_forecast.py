@@ -146,13 +146,18 @@ def test_plan_reads_the_examples_tfvars_and_prices_them_on_demand():
          "inter_region_per_gb['default'] must be $ per GB, 0 or more"),
         (["--cluster", "us-east-1=1xg5.xlarge", "--probe", "PROBE"],
          "no beta_Bps and alpha_s matrices"),
+        (["--cluster", "us-east-1=1xg5.xlarge,eu-west-1=1xg5.xlarge", "--probe", "FOUR",
+          "--ranks-per-region", "3"], "the probe measured 4 ranks, which it does not divide"),
     ],
 )  # fmt: skip
 def test_plan_names_bad_input_in_one_line(tmp_path, args, message):
     prices, probe = tmp_path / "prices.json", tmp_path / "probe.json"
     prices.write_text(json.dumps({"inter_region_per_gb": {"default": -0.02}}))
     probe.write_text(json.dumps({"beta": []}))
-    args = [{"PRICES": str(prices), "PROBE": str(probe)}.get(a, a) for a in args]
+    four = tmp_path / "four.json"  # 4 ranks, 2 regions of 2
+    four.write_text(json.dumps({"beta_Bps": [[1e9] * 4] * 4, "alpha_s": [[0.01] * 4] * 4}))
+    files = {"PRICES": prices, "PROBE": probe, "FOUR": four}
+    args = [str(files[a]) if a in files else a for a in args]
     res = _plan(*([] if "--step-ms" in args else ["--step-ms", "200"]), *args)
     assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
     assert res.stderr.startswith("cloudtrain plan: ") and message in res.stderr, res.stderr

@@ -86,6 +86,11 @@ def _probed(path: str, names: list[str], per_region: int | None) -> dict[tuple[s
             "--json` writes"
         )
     beta, alpha = data["beta_Bps"], data["alpha_s"]
+    if per_region is not None and not (per_region >= 1 and len(beta) % per_region == 0):
+        raise ValueError(
+            f"--ranks-per-region {per_region}: the probe measured {len(beta)} ranks, which it "
+            "does not divide; give the ranks of each region"
+        )
     labels = (
         data.get("regions") if per_region is None else [r // per_region for r in range(len(beta))]
     )
