@@ -294,7 +294,10 @@ class CloudDDP(DistributedDataParallel):
                 self.outer.catch_up()  # where AMP skipped this region's last step (OuterLoop)
                 if self.region_buffers is not None:  # DDP's broadcast, inside the region
                     self.region_buffers.in_region()
-            self.comm.count_samples(batch_of(inputs, kwargs))
+            samples = batch_of(inputs, kwargs)
+            if self.require_backward_grad_sync:  # not under no_sync: the step's last forward
+                self.comm.check_share(samples)
+            self.comm.count_samples(samples)
         return super().forward(*inputs, **kwargs)
 
     def batch_size(self) -> int:

@@ -240,7 +240,7 @@ class Workload:
     state and cloudtrain's are divided among the region's GPUs."""
 
     def __post_init__(self) -> None:
-        if not (self.params >= 1):
+        if not (math.isfinite(self.params) and self.params >= 1):
             raise ValueError(f"params={self.params!r}: the model's parameter count, e.g. 7e9")
         if (self.tokens_per_gpu is None) == (self.step_s is None):
             raise ValueError("give the compute per step as tokens_per_gpu or as a measured step_s")
@@ -388,6 +388,13 @@ def forecast(
     else:  # the slowest region's GPU sets the pace
         compute = 6 * workload.params * workload.tokens_per_gpu / (peak * 1e12 * workload.mfu)
     ctx = _Context(workload, cluster, links, prices, gpus, compute)
+    need = ctx.memory_gb(0) + workload.activation_gb  # DDP's, the least of any mode
+    if need > 0.9 * memory:  # before the modes: their packets' sizes take long to count
+        more = "more GPUs in each region" if workload.shard else "--shard (FSDP inside each region)"
+        raise ValueError(
+            f"the model fits no mode: {need:.0f} GB per GPU against {0.9 * memory:.0f} GB usable "
+            f"(90 % of {memory:.0f}): choose GPUs with more memory, or {more}"
+        )
     rows = [ctx.ddp(4), ctx.ddp(2)]
     if len(cluster.regions) > 1:
         rows += [*ctx.auto(), *(ctx.outer(preset, every) for preset, every in modes)]
@@ -399,13 +406,6 @@ def forecast(
         + "weights, gradients, AdamW and cloudtrain's state; activations not modelled"
         if not workload.activation_gb else f"memory includes {workload.activation_gb} GB activations",
     ])  # fmt: skip
-    if not any(r.fits for r in rows):
-        need = min(r.memory_gb for r in rows) + workload.activation_gb
-        more = "more GPUs in each region" if workload.shard else "--shard (FSDP inside each region)"
-        raise ValueError(
-            f"the model fits no mode: {need:.0f} GB per GPU against {0.9 * memory:.0f} GB usable "
-            f"(90 % of {memory:.0f}): choose GPUs with more memory, or {more}"
-        )
     return result
 
 

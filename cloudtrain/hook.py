@@ -504,15 +504,21 @@ class CommState:
             )
         return self.shares.at(self.step)[self.topo.rank]
 
-    def _check_share(self) -> None:
-        """With a global batch, the step's samples must be this rank's share: a gradient
-        weighted by a share it was not computed on would bias the mean."""
-        if self.shares is None or self._step_samples == 0:
+    def check_share(self, n: int) -> None:
+        """The forward whose gradients are reduced (CloudDDP.forward, before DDP's, so a
+        refused batch leaves the model usable): with a global batch, the step's samples with
+        these n must be this rank's share - a gradient weighted by a share it was not computed
+        on would bias the mean."""
+        self._check_share(self._step_samples + n)
+
+    def _check_share(self, samples: int | None = None) -> None:
+        samples = self._step_samples if samples is None else samples
+        if self.shares is None or samples == 0:
             return
         share = self.batch_size()
-        if self._step_samples != share:
+        if samples != share:
             raise ValueError(
-                f"rank {self.topo.rank}'s batch at step {self.step} had {self._step_samples} "
+                f"rank {self.topo.rank}'s batch at step {self.step} had {samples} "
                 f"samples (the leading dimension of the forward's first tensor), its share of the "
                 f"global batch is {share}: draw each step's batch with cloudtrain.ShareSampler or "
                 "CloudDDP.batch_size(), one batch per step"

@@ -142,6 +142,10 @@ def test_plan_reads_the_examples_tfvars_and_prices_them_on_demand():
         (["--cluster", "us-east-1=1xg5.xlarge,eu-west-1=1xg5.xlarge",
           "--link", "us-east-1,eu-west-1=0:80"], "0.0 Mbit/s: give its rate, above 0"),
         (["--cluster", "us-east-1=1xg5.xlarge", "--mfu", "0"], "mfu=0.0: give a number above 0"),
+        (["--params", "inf", "--cluster", "us-east-1=1xg5.xlarge"], "params=inf"),
+        # at once, before the modes' packets are counted (minutes for 1e13 parameters)
+        (["--params", "1e13", "--cluster", "us-east-1=1xg5.xlarge,eu-west-1=1xg5.xlarge",
+          "--profile", "us-eu"], "fits no mode: 160000 GB per GPU against 22 GB usable"),
         (["--cluster", "us-east-1=1xg5.xlarge", "--prices", "PRICES"],
          "inter_region_per_gb['default'] must be $ per GB, 0 or more"),
         (["--cluster", "us-east-1=1xg5.xlarge", "--probe", "PROBE"],

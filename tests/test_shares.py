@@ -301,6 +301,45 @@ def test_a_new_loop_draws_again_what_the_loop_before_drew_and_threw_away():
         assert sorted(drawn) == list(range(8))
 
 
+def _wrong_batch(rank, world):
+    """A batch that is not the rank's share, refused at the forward; then the right one, and
+    a share made of two micro-batches (no_sync, then the syncing forward)."""
+    import cloudtrain
+
+    cloudtrain.init()
+    cfg = CompressionConfig(regions="per-rank", controller=LOSSLESS, global_batch=64)
+    model = cloudtrain.CloudDDP(Slowed(0.0), cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = data()[:32]
+
+    def step(n):
+        torch.nn.functional.cross_entropy(model(x[:n]), y[:n]).backward()
+
+    try:
+        step(5)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    step(32)
+    opt.step()
+    opt.zero_grad()
+    with model.no_sync():
+        step(16)
+    step(16)
+    opt.step()
+    model.verify_replicas()
+    model.close()
+    return refused, model.steps_done
+
+
+def test_a_batch_that_is_not_the_share_is_refused_and_the_model_trains_on():
+    """Refused at the forward, before DDP's: the next step trains (refused inside the
+    backward, it left DDP's reducer in a state its next step failed an internal assert on)."""
+    for refused, steps in run_ranks(2, _wrong_batch, timeout=120):
+        assert refused is not None and "had 5 samples" in refused and "is 32" in refused, refused
+        assert steps == 2
+
+
 def test_resume_on_fewer_ranks_a_region_plans_the_shares_anew():
     """Saved by 2 regions x 2 ranks with shares in force and a decision on its way (it carries
     shares for 4 ranks), resumed by 2 regions x 1 rank, each rank loading what its rank saved:
