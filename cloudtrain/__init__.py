@@ -20,6 +20,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "init": "bootstrap",
     "CompressionConfig": "config",
+    "OuterConfig": "options",
+    "ElasticConfig": "options",
+    "ControllerOptions": "options",
     "PRESETS": "config",
     "CloudDDP": "ddp",
     "fully_shard": "sharded",

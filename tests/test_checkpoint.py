@@ -370,9 +370,14 @@ def test_bad_uris(tmp_path) -> None:
         Checkpointer(str(tmp_path), keep_last=0)
     with pytest.raises(ValueError, match="at least 5 MiB"):
         S3Config(multipart_chunksize=1024)
+    for empty in ("", "  ", None):  # "" wrote into the working directory
+        with pytest.raises(CheckpointError, match="give a folder, file:///path, s3://"):
+            Checkpointer(empty)
     ckpt = Checkpointer(f"file://{tmp_path}/c")
     _save(ckpt, 1)
     assert (tmp_path / "c" / step_dir(1) / "manifest.json").is_file()
+    _save(Checkpointer(tmp_path / "p"), 1)  # a Path, as well as a str
+    assert (tmp_path / "p" / step_dir(1) / "manifest.json").is_file()
 
 
 def test_missing_bucket(aws: str) -> None:

@@ -227,3 +227,11 @@ def test_a_config_round_trips_through_json(name, tmp_path):
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(ValueError, match="config file .*broken.json"):
         CompressionConfig.resolve(str(tmp_path / "broken.json"))
+
+
+def test_the_config_classes_the_docs_use_are_exported():
+    import cloudtrain
+    from cloudtrain import options
+
+    for name in ("OuterConfig", "ElasticConfig", "ControllerOptions"):
+        assert getattr(cloudtrain, name) is getattr(options, name) and name in cloudtrain.__all__

@@ -325,9 +325,18 @@ def open_store(uri: str, s3: S3Config) -> Store:
     )
 
 
-def resolve_root(uri: str | Mapping[str, str], region: str | None) -> tuple[str | None, str]:
+def resolve_root(
+    uri: str | os.PathLike | Mapping[str, str], region: str | None
+) -> tuple[str | None, str]:
     """(this rank's region, None where unknown, and this rank's root URI) for a root, a template
     with "{region}" or a map {region: root}; region None: region_of_this_host()."""
+    if isinstance(uri, os.PathLike):
+        uri = os.fspath(uri)
+    if not isinstance(uri, (str, Mapping)) or (isinstance(uri, str) and not uri.strip()):
+        raise CheckpointError(
+            f"checkpoint URI {uri!r}: give a folder, file:///path, s3://bucket/prefix, a "
+            "template with {region}, or a map {region: URI}"
+        )
     templated = not isinstance(uri, str) or "{region}" in uri
     if region is None:
         # Known even where the URI needs none: save() checks that ranks of one region agree.
