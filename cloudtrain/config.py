@@ -155,6 +155,8 @@ class CompressionConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.codec, str) or not self.codec.strip():
             raise ValueError(f"codec={self.codec!r}: name a codec, e.g. 'topk', or use 'auto'")
+        if isinstance(self.level, list):  # a chain's levels, as JSON gives them: a tuple
+            object.__setattr__(self, "level", tuple(self.level))
         if self.codec != AUTO:
             codec = self.make_codec()
             try:

@@ -222,6 +222,8 @@ class OuterConfig:
                 )
         if not isinstance(self.codec, str) or not self.codec.strip():
             raise ValueError(f"outer.codec={self.codec!r}: name a codec, e.g. 'quant', or 'auto'")
+        if isinstance(self.level, list):  # a chain's levels, as JSON gives them: a tuple
+            object.__setattr__(self, "level", tuple(self.level))
         if self.codec != AUTO:
             try:
                 make_codec(self.codec).check_level(self.level)

@@ -235,3 +235,10 @@ def test_the_config_classes_the_docs_use_are_exported():
 
     for name in ("OuterConfig", "ElasticConfig", "ControllerOptions"):
         assert getattr(cloudtrain, name) is getattr(options, name) and name in cloudtrain.__all__
+
+
+def test_a_chains_levels_may_be_a_list():
+    """As JSON gives them (a list was refused by a message quoting the list it asked for)."""
+    listed = CompressionConfig(codec="randomk>topk>quant", level=[0.1, 0.1, 4])
+    assert listed == CompressionConfig(codec="randomk>topk>quant", level=(0.1, 0.1, 4))
+    assert OuterConfig(codec="topk>quant", level=[0.02, 2]).level == (0.02, 2)
