@@ -152,6 +152,8 @@ def test_plan_reads_the_examples_tfvars_and_prices_them_on_demand():
          "no beta_Bps and alpha_s matrices"),
         (["--cluster", "us-east-1=1xg5.xlarge,eu-west-1=1xg5.xlarge", "--probe", "FOUR",
           "--ranks-per-region", "3"], "the probe measured 4 ranks, which it does not divide"),
+        (["--cluster", "us-east-1=1xg5.xlarge,eu-west-1=1xg5.xlarge", "--probe", "FOUR"],
+         "no regions in it; give --ranks-per-region"),
     ],
 )  # fmt: skip
 def test_plan_names_bad_input_in_one_line(tmp_path, args, message):

@@ -66,7 +66,8 @@ def _json(option: str, path: str) -> Any:
 
 
 def _unquoted(value: Any) -> Any:
-    """python-hcl2 (from 5 on) keeps the quotes of HCL strings: the values without them."""
+    """The values without the quotes python-hcl2 keeps on HCL strings (its version 8 does;
+    older ones did not)."""
     if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == '"':
         return value[1:-1]
     if isinstance(value, dict):
@@ -94,6 +95,8 @@ def _probed(path: str, names: list[str], per_region: int | None) -> dict[tuple[s
     labels = (
         data.get("regions") if per_region is None else [r // per_region for r in range(len(beta))]
     )
+    if labels is None:
+        raise ValueError(f"--probe {path}: no regions in it; give --ranks-per-region")
     firsts = {label: labels.index(label) for label in sorted(set(labels))}
     if len(firsts) != len(names):
         raise ValueError(
