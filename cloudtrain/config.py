@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -308,18 +309,22 @@ class CompressionConfig:
     def resolve(
         cls, config: CompressionConfig | str | None = None, **overrides: Any
     ) -> CompressionConfig:
-        """A config from itself, a preset name, or a codec spec ("topk:0.01"), with overrides."""
+        """A config from itself, a preset name, a codec spec ("topk:0.01") or a JSON file's
+        path (a str or a Path ending in .json), with overrides."""
         if config is None:
             config = AUTO
         if isinstance(config, CompressionConfig):
             return dataclasses.replace(config, **overrides) if overrides else config
-        if isinstance(config, str) and config.endswith(
+        if isinstance(config, os.PathLike):
+            config = os.fspath(config)
+        if isinstance(config, str) and config.lower().endswith(
             ".json"
         ):  # e.g. what `cloudtrain plan --emit` wrote
             return cls.from_dict({**cls._read_json(config), **overrides})
         if not isinstance(config, str):
             raise TypeError(
-                f"config: a CompressionConfig, a preset name or a codec spec, got {type(config).__name__}"
+                "config: a CompressionConfig, a preset name, a codec spec or a .json file's "
+                f"path, got {type(config).__name__}"
             )
         if config in PRESETS:
             return cls(**{**PRESETS[config], **overrides})

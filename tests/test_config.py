@@ -242,3 +242,11 @@ def test_a_chains_levels_may_be_a_list():
     listed = CompressionConfig(codec="randomk>topk>quant", level=[0.1, 0.1, 4])
     assert listed == CompressionConfig(codec="randomk>topk>quant", level=(0.1, 0.1, 4))
     assert OuterConfig(codec="topk>quant", level=[0.02, 2]).level == (0.02, 2)
+
+
+def test_resolve_takes_a_json_files_path_as_a_path_too(tmp_path):
+    from pathlib import Path
+
+    (tmp_path / "c.JSON").write_text(json.dumps({"codec": "quant", "level": 8}))
+    for given in (Path(tmp_path / "c.JSON"), str(tmp_path / "c.JSON")):
+        assert CompressionConfig.resolve(given) == CompressionConfig.resolve("quant8")
