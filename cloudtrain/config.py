@@ -247,6 +247,12 @@ class CompressionConfig:
             self._check_elastic()
         if self.global_batch is not None:
             self._check_global_batch()
+        if self.outer is not None and self.staleness:
+            raise ValueError(
+                f"staleness={self.staleness} with an outer loop: it delays per-step exchanges, "
+                "which the outer loop does not make; to apply its syncs late, set "
+                "outer.overlap, and leave staleness unset"
+            )
         if self.outer is not None and self.verify_every:
             raise ValueError(
                 f"verify_every={self.verify_every} with an outer loop: regions' replicas differ "

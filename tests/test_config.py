@@ -250,3 +250,9 @@ def test_resolve_takes_a_json_files_path_as_a_path_too(tmp_path):
     (tmp_path / "c.JSON").write_text(json.dumps({"codec": "quant", "level": 8}))
     for given in (Path(tmp_path / "c.JSON"), str(tmp_path / "c.JSON")):
         assert CompressionConfig.resolve(given) == CompressionConfig.resolve("quant8")
+
+
+def test_staleness_with_an_outer_loop_is_refused_naming_overlap():
+    with pytest.raises(ValueError, match="set outer.overlap, and leave staleness unset"):
+        CompressionConfig.resolve("diloco", staleness=3)
+    assert CompressionConfig.resolve("diloco", staleness=0).staleness == 0
