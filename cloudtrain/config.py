@@ -365,8 +365,6 @@ class CompressionConfig:
                 f"{sorted(f.name for f in dataclasses.fields(cls))}"
             )
         fields = dict(fields)
-        if isinstance(fields.get("level"), list):
-            fields["level"] = tuple(fields["level"])
         if isinstance(fields.get("regions"), list):
             fields["regions"] = tuple(fields["regions"])
         return cls(**fields)

@@ -108,15 +108,29 @@ PRICES: dict[str, Any] = {
 """The built-in price table (dated: prices change; `load_prices` reads a file of the same form)."""
 
 
+def read_text(what: str, path: str | Path) -> str:
+    """The text of a file the user named (`what`: how they named it, e.g. "--probe"); an error
+    naming it and why where it cannot be read."""
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"{what} {path}: {e.strerror or e}") from None
+
+
+def read_json(what: str, path: str | Path) -> Any:
+    """read_text's file as JSON; an error naming it where it is not JSON."""
+    try:
+        return json.loads(read_text(what, path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path}: not JSON ({e})") from None
+
+
 def load_prices(path: str | Path | None = None) -> dict[str, Any]:
     """PRICES, with the entries of a JSON file of the same form (instances, inter_region_per_gb,
     regions) over them; a file missing a field or with a malformed entry is refused, naming it."""
     if path is None:
         return PRICES
-    try:
-        given = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"price file {path}: {e}") from None
+    given = read_json("price file", path)
     if not isinstance(given, dict):
         raise ValueError(
             f"price file {path}: a JSON object of instances, inter_region_per_gb and regions "

@@ -253,10 +253,7 @@ class OuterConfig:
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> OuterConfig:
         """Options from a plain dict (e.g. read from JSON): unknown keys are an error."""
-        opts = _known(cls, options, "outer")
-        if isinstance(opts.get("level"), list):
-            opts["level"] = tuple(opts["level"])
-        return cls(**opts)
+        return cls(**_known(cls, options, "outer"))
 
     @property
     def torch_dtype(self) -> torch.dtype:

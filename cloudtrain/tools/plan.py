@@ -22,7 +22,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..forecast import OUTER_MODES, Cluster, Link, Workload, forecast, load_prices
+from ..forecast import (
+    OUTER_MODES,
+    Cluster,
+    Link,
+    Workload,
+    forecast,
+    load_prices,
+    read_json,
+    read_text,
+)
 
 
 def _links(args: argparse.Namespace, names: list[str]) -> dict[tuple[str, str], Link]:
@@ -50,21 +59,6 @@ def _links(args: argparse.Namespace, names: list[str]) -> dict[tuple[str, str], 
     return links
 
 
-def _read(option: str, path: str) -> str:
-    """The text of the file an option names; a clear error where it cannot be read."""
-    try:
-        return Path(path).read_text()
-    except OSError as e:
-        raise ValueError(f"{option} {path}: {e.strerror or e}") from None
-
-
-def _json(option: str, path: str) -> Any:
-    try:
-        return json.loads(_read(option, path))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{option} {path}: not JSON ({e})") from None
-
-
 def _unquoted(value: Any) -> Any:
     """The values without the quotes python-hcl2 keeps on HCL strings (its version 8 does;
     older ones did not)."""
@@ -80,7 +74,7 @@ def _unquoted(value: Any) -> Any:
 def _probed(path: str, names: list[str], per_region: int | None) -> dict[tuple[str, str], Link]:
     """The links between the regions' first ranks in `cloudtrain probe --json`'s matrix; ranks
     are the regions' in order, `per_region` each (default: as the probe clustered them)."""
-    data = _json("--probe", path)
+    data = read_json("--probe", path)
     if not isinstance(data, dict) or not {"beta_Bps", "alpha_s"} <= set(data):
         raise ValueError(
             f"--probe {path}: no beta_Bps and alpha_s matrices; give what `cloudtrain probe "
@@ -115,9 +109,9 @@ def _probed(path: str, names: list[str], per_region: int | None) -> dict[tuple[s
 def _cluster(args: argparse.Namespace) -> Cluster:
     if args.tfvars:
         if args.tfvars.endswith(".json"):
-            variables: Any = _json("--tfvars", args.tfvars)
+            variables: Any = read_json("--tfvars", args.tfvars)
         else:
-            text = _read("--tfvars", args.tfvars)
+            text = read_text("--tfvars", args.tfvars)
             try:
                 import hcl2
             except ImportError:
