@@ -27,7 +27,6 @@ algorithm; docs/quality.md).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -39,6 +38,7 @@ from .compress.ladders import LADDER, OUTER_LADDER
 from .config import AUTO, PRESETS, CompressionConfig, ControllerOptions
 from .costs import CostModel, LinkEstimate, Ring, default_codecs, plain_seconds, plan_levels
 from .guard import first_ceiling
+from .options import read_json
 from .outer import SyncSetting, choose_schedule, fragment_exchange_seconds, outer_zstd
 from .plan import Rung, ceil_div, describe
 from .replan import LinkBook, PairLink
@@ -60,6 +60,24 @@ GPUS: dict[str, tuple[float, float]] = {
     "H100": (80, 989),
     "H200": (141, 989),
 }
+
+INTERCONNECT_GBIT: dict[str, tuple[float, float]] = {
+    # type: (between the GPUs of one host, between hosts of a region), Gbit/s per GPU's ring
+    "g5.xlarge": (0.0, 10),
+    "g5.12xlarge": (128, 40),  # PCIe 4.0 x16
+    "g5.48xlarge": (128, 100),
+    "g6.xlarge": (0.0, 10),
+    "g6e.12xlarge": (128, 100),
+    "p4d.24xlarge": (2400, 400),  # NVLink 3: 300 GB/s a direction; 4 x 100 Gbit/s EFA
+    "p4de.24xlarge": (2400, 400),
+    "p5.48xlarge": (3600, 3200),  # NVLink 4: 450 GB/s a direction; 32 x 100 Gbit/s EFA
+    "p5en.48xlarge": (3600, 3200),
+}
+"""Bandwidth inside a region for its dense reductions, by instance type: NVLink or PCIe inside a
+host, the host's network (EFA) between hosts. A type not listed (from a price file) is taken at
+DEFAULT_INTRA_GBIT; Workload.intra_gbit overrides both."""
+
+DEFAULT_INTRA_GBIT = 100.0
 
 PRICES: dict[str, Any] = {
     "date": "2026-11",
@@ -106,23 +124,6 @@ PRICES: dict[str, Any] = {
     ],
 }
 """The built-in price table (dated: prices change; `load_prices` reads a file of the same form)."""
-
-
-def read_text(what: str, path: str | Path) -> str:
-    """The text of a file the user named (`what`: how they named it, e.g. "--probe"); an error
-    naming it and why where it cannot be read."""
-    try:
-        return Path(path).read_text()
-    except OSError as e:
-        raise ValueError(f"{what} {path}: {e.strerror or e}") from None
-
-
-def read_json(what: str, path: str | Path) -> Any:
-    """read_text's file as JSON; an error naming it where it is not JSON."""
-    try:
-        return json.loads(read_text(what, path))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what} {path}: not JSON ({e})") from None
 
 
 def load_prices(path: str | Path | None = None) -> dict[str, Any]:
@@ -247,8 +248,9 @@ class Workload:
     """Model FLOPs utilisation assumed with tokens_per_gpu."""
     activation_gb: float = 0.0
     """Activation memory per GPU, if known (not modelled)."""
-    intra_gbit: float = 100.0
-    """Bandwidth inside a region (EFA / NVLink across hosts), Gbit/s."""
+    intra_gbit: float | None = None
+    """Bandwidth inside a region for its dense reductions, Gbit/s; None: the instance type's
+    (INTERCONNECT_GBIT: NVLink or PCIe in one host, EFA between hosts)."""
     shard: bool = False
     """FSDP inside each region (cloudtrain.fully_shard; FSDP2 HSDP for DDP's rows): the model's
     state and cloudtrain's are divided among the region's GPUs."""
@@ -268,6 +270,19 @@ class Workload:
             raise ValueError(f"mfu={self.mfu!r}: a share of the GPU's peak FLOPs, at most 1")
         if not (math.isfinite(self.activation_gb) and self.activation_gb >= 0):
             raise ValueError(f"activation_gb={self.activation_gb!r}: give 0 or more GB")
+
+
+def transformer_blocks(params: float) -> int:
+    """FSDP2's units in a transformer of `params` parameters wrapped a block each (as torchtitan
+    does), each all-reduced across the regions on its own: Llama's depths (16 blocks at 1 B, 32
+    at 7 B, 80 at 70 B) follow about 17 (params / 1e9) ** 0.37."""
+    return max(1, round(17 * (params / 1e9) ** 0.37))
+
+
+def _intra_gbit(instance_type: str, hosts: int) -> float:
+    """The bandwidth of a region's ring of `hosts` hosts of `instance_type` (INTERCONNECT_GBIT)."""
+    in_host, between = INTERCONNECT_GBIT.get(instance_type, (DEFAULT_INTRA_GBIT,) * 2)
+    return between if hosts > 1 else in_host
 
 
 OUTER_MODES = ("diloco", "diloco-4bit")
@@ -521,22 +536,31 @@ def predict_rungs(
 
 
 def predict_outer(
-    s: Setting, sync_every: int, rungs: Sequence[Rung], zstd: bool = True
+    s: Setting,
+    sync_every: int,
+    rungs: Sequence[Rung],
+    zstd: bool = True,
+    fragments: int = 1,
+    overlap: int = 0,
 ) -> tuple[float, list[float]]:
-    """(step seconds, bytes each region sends across per step) of the outer loop without
-    overlap: inner steps reduce inside the region; every H steps a sync whose exchange (a round
-    trip and the packet to every other region, outer.fragment_exchange_seconds) stalls. Its
-    packets go through zstd unless the config says no (`zstd`), which shrinks them by
-    Codecs.zstd_ratio (its CPU, once per H steps, is left out)."""
+    """(step seconds, bytes each region sends across per step) of the outer loop: inner steps
+    reduce inside the region; each of the `fragments` syncs once every H steps, in turn, and its
+    exchange (a round trip and the fragment's packet to every other region,
+    outer.fragment_exchange_seconds) stalls but for the `overlap` steps it hides behind, and the
+    link carries at most one exchange at a time. Its packets go through zstd unless the config
+    says no (`zstd`), which shrinks them by Codecs.zstd_ratio (its CPU, once per H steps, is left
+    out)."""
     codecs, receivers = default_codecs(), len(s.links) - 1
-    m = ceil_div(s.numel, s.shards)
+    m = ceil_div(ceil_div(s.numel, fragments), s.shards)
     sizes = [codecs.wire_nbytes(r, m) / (codecs.zstd_ratio(r) if zstd else 1.0) for r in rungs]
-    stall = max(
+    exchange = max(
         fragment_exchange_seconds(lk, size, receivers)
         for lk, size in zip(s.links, sizes, strict=True)
     )
-    wan = [s.shards * receivers * size / sync_every for size in sizes]
-    return s.compute_s + s.intra_s + stall / sync_every, wan
+    inner = s.compute_s + s.intra_s
+    stall = max(0.0, exchange - overlap * inner)
+    wan = [s.shards * receivers * size * fragments / sync_every for size in sizes]
+    return max(inner + fragments * stall / sync_every, fragments * exchange / sync_every), wan
 
 
 @dataclass
@@ -567,8 +591,15 @@ class _Context:
         return book.links([r.name for r in self.cluster.regions], self.shards)
 
     def intra_s(self, nbytes: float) -> float:
-        """A dense ring all-reduce of `nbytes` inside a region."""
-        return 2 * nbytes / (self.workload.intra_gbit * 1e9 / 8)
+        """A dense ring all-reduce of `nbytes` inside each region, the slowest's: of its k GPUs
+        each sends 2 (k - 1) / k of it, at Workload.intra_gbit or its instance type's
+        (INTERCONNECT_GBIT); nothing where a region has one GPU."""
+        seconds = [0.0]
+        for region, k in zip(self.cluster.regions, self.gpus, strict=True):
+            if k > 1:
+                gbit = self.workload.intra_gbit or _intra_gbit(region.instance_type, region.hosts)
+                seconds.append(2 * (k - 1) / k * nbytes / (gbit * 1e9 / 8))
+        return max(seconds)
 
     def dollars(self, step_s: float, wan_bytes_by_region: Sequence[float]) -> tuple[float, float]:
         """(instances + egress, egress) $ per 1000 steps."""
@@ -605,7 +636,9 @@ class _Context:
         return per_param * self.workload.params / (self.shards if self.workload.shard else 1) / 1e9
 
     def ddp(self, nbytes_per_param: int) -> ModeForecast:
-        step, wan = predict_ddp(self.setting(), nbytes_per_param, hsdp=self.workload.shard)
+        shard = self.workload.shard
+        units = transformer_blocks(self.workload.params) if shard else None
+        step, wan = predict_ddp(self.setting(), nbytes_per_param, hsdp=shard, units=units)
         mode = "HSDP (FSDP2)" if self.workload.shard else "DDP"
         mode += "" if nbytes_per_param == 4 else " + fp16 hook"
         config = None if nbytes_per_param == 4 else dict(PRESETS["fp16"])
@@ -639,10 +672,17 @@ class _Context:
         codecs = default_codecs()
         ladder = OUTER_LADDER if cfg.codec == AUTO else ((cfg.codec, cfg.level),)
         sync = SyncSetting(
-            setting.numel, setting.links, self.shards, self.compute + setting.intra_s
+            setting.numel,
+            setting.links,
+            self.shards,
+            self.compute + setting.intra_s,
+            cfg.fragments,
+            cfg.overlap,
         )
         sched = choose_schedule(sync, codecs.wire_nbytes, cfg.sync_every, ladder)
-        step, wan = predict_outer(setting, sched.sync_every, sched.rungs, outer_zstd(resolved))
+        step, wan = predict_outer(
+            setting, sched.sync_every, sched.rungs, outer_zstd(resolved), cfg.fragments, cfg.overlap
+        )
         # the outer copy, its momentum, and the residuals (of a shard, unless sharded)
         state = (
             4
@@ -652,5 +692,8 @@ class _Context:
         name = f"outer loop ({preset}{'' if sync_every is None else f', H={sync_every}'})"
         chosen = dataclasses.replace(cfg, sync_every=sched.sync_every)
         config = CompressionConfig.resolve(preset, outer=chosen).to_dict()
-        detail = f"H={sched.sync_every}, {', '.join(describe(r) for r in sched.rungs)}"
+        streaming = f", {cfg.fragments} fragments" if cfg.fragments > 1 else ""
+        streaming += f", overlap {cfg.overlap}" if cfg.overlap else ""
+        rungs = ", ".join(describe(r) for r in sched.rungs)
+        detail = f"H={sched.sync_every}{streaming}, {rungs}"
         return self.row(name, config, step, wan, self.memory_gb(state), detail)

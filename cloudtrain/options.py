@@ -6,8 +6,10 @@ their fields - and imported from cloudtrain.config as well.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +19,23 @@ from .compress.ladders import LADDER
 
 AUTO = "auto"
 """The controller's choice (a codec, a level, sync_every)."""
+
+
+def read_text(what: str, path: str | Path) -> str:
+    """The text of a file the user named (`what`: how they named it, e.g. "--probe"); an error
+    naming it and why where it cannot be read."""
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"{what} {path}: {e.strerror or e}") from None
+
+
+def read_json(what: str, path: str | Path) -> Any:
+    """read_text's file as JSON; an error naming it where it is not JSON."""
+    try:
+        return json.loads(read_text(what, path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path}: not JSON ({e})") from None
 
 
 def _number(
@@ -331,6 +350,18 @@ class ElasticConfig:
             raise ValueError(f"elastic.spot={self.spot!r} must be True or False")
         _number("elastic.spot_poll_s", self.spot_poll_s, 0, 3600, open_lo=True)
         _number("elastic.heartbeat_timeout_s", self.heartbeat_timeout_s, 0, 3600, open_lo=True)
+        if 0 < self.start_regions < self.min_regions:
+            raise ValueError(
+                f"elastic.start_regions={self.start_regions} is below "
+                f"elastic.min_regions={self.min_regions}: the first regions could never train; "
+                f"set start_regions to at least {self.min_regions}, or 0 (min_regions)"
+            )
+        if self.heartbeat_s >= self.heartbeat_timeout_s:
+            raise ValueError(
+                f"elastic.heartbeat_s={self.heartbeat_s} is not below "
+                f"elastic.heartbeat_timeout_s={self.heartbeat_timeout_s}: the Lighthouse would "
+                "take a live region as lost between two heartbeats; beat several times a timeout"
+            )
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> ElasticConfig:

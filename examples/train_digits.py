@@ -14,9 +14,9 @@ DistributedDataParallel, to compare against. Compression only applies between re
 default --regions env all processes on one machine are one region and gradients are all-reduced
 densely; --regions per-rank puts every rank in its own region so everything crosses a "WAN" and
 is compressed (how to exercise compression on one machine); --regions us,us,eu,eu names each
-rank's region. --config diloco (or diloco-sparse, diloco-int8, diloco-4bit) trains with the
-outer loop: parameters cross regions every --sync-every steps, and the test accuracy is measured
-after its final sync. --shares (with "auto") shares each global batch among the ranks by their
+rank's region. --config diloco (or diloco-sparse, diloco-int8, diloco-4bit, diloco-streaming)
+trains with the outer loop: parameters cross regions every --sync-every steps, and the test
+accuracy is measured after its final sync. --shares (with "auto") shares each global batch among the ranks by their
 measured throughput (CompressionConfig(global_batch=--batch), cloudtrain.ShareSampler): a rank
 on a faster machine gets more of it.
 

@@ -60,7 +60,8 @@ def test_modes_are_the_controllers_and_the_outer_loops_own_choices():
     from cloudtrain.costs import LinkEstimate
 
     per_owner = LinkEstimate(1000e6 / 8 / 16, 0.08)  # a region's link shared by its 16 owners
-    sync = SyncSetting(int(1.3e9), [per_owner] * 2, 16, outer.compute_s + 2 * 5.2e9 / 12.5e9)
+    efa = 3200e9 / 8  # two p5 hosts a region: their ring runs on EFA
+    sync = SyncSetting(int(1.3e9), [per_owner] * 2, 16, outer.compute_s + 2 * 15 / 16 * 5.2e9 / efa)
     sched = choose_schedule(sync, Codecs(CompressionConfig()).wire_nbytes)
     assert outer.detail == f"H={sched.sync_every}, " + ", ".join(describe(r) for r in sched.rungs)
     assert outer.config["outer"]["sync_every"] == sched.sync_every
@@ -83,6 +84,41 @@ def test_sharded_memory_is_divided_by_the_regions_gpus_and_outer_rows_take_any_p
     for bad, message in (("topk-1pct", "not an outer-loop preset"), ("diloco@x", "give H")):
         with pytest.raises(ValueError, match=message):
             forecast(sharded, TWO, US_EU, outer=[bad])
+
+
+def test_a_regions_dense_reduction_runs_at_its_instance_types_interconnect():
+    """HSDP's reduction inside a region: a ring of its k GPUs, each sending 2 (k - 1) / k of
+    the gradients, on NVLink inside one host and on EFA between hosts (INTERCONNECT_GBIT);
+    nothing with one GPU; --intra-gbit over the table (it was 100 Gbit/s for every type)."""
+    grad = 4 * 1.3e9
+
+    def hsdp_step(cluster: str, **workload) -> float:
+        result = forecast(Workload(1.3e9, step_s=1.0, shard=True, **workload), Cluster.parse(cluster),
+                          {("us-east-1", "eu-west-1"): Link(1e6, 0), ("eu-west-1", "us-east-1"): Link(1e6, 0)})  # fmt: skip
+        return rows(result)["HSDP (FSDP2)"].step_s
+
+    hosts_2 = hsdp_step("us-east-1=2xp5.48xlarge,eu-west-1=1xp5.48xlarge")
+    host_1 = hsdp_step("us-east-1=1xp5.48xlarge,eu-west-1=1xp5.48xlarge")
+    assert hosts_2 - host_1 == pytest.approx(
+        2 * 15 / 16 * grad / 400e9 - 2 * 7 / 8 * grad / 450e9, rel=0.02
+    )  # the slowest region's ring: two hosts on EFA against one on NVLink
+    given = hsdp_step("us-east-1=1xp5.48xlarge,eu-west-1=1xp5.48xlarge", intra_gbit=100)
+    assert given - host_1 == pytest.approx(2 * 7 / 8 * grad * (1 / 12.5e9 - 1 / 450e9), rel=0.02)
+    a_gpu = hsdp_step("us-east-1=1xg5.xlarge,eu-west-1=1xg5.xlarge", intra_gbit=1)
+    assert a_gpu < host_1  # one GPU a region: no reduction inside it, whatever the bandwidth
+
+
+def test_hsdp_reduces_across_regions_a_transformer_block_at_a_time():
+    """FSDP2 all-reduces each wrapped unit across the regions on its own, one per block of a
+    transformer (35 for 7 B), not DDP's 25 MB buckets (1120 for 7 B, each paying its round
+    trips: 110 s a step at 10 Gbit/s, 80 ms)."""
+    from cloudtrain.forecast import transformer_blocks
+
+    assert [transformer_blocks(p) for p in (1e9, 7e9, 70e9, 1e5)] == [17, 35, 82, 1]
+    ten = {("us-east-1", "eu-west-1"): Link(10000, 80), ("eu-west-1", "us-east-1"): Link(10000, 80)}
+    hsdp = rows(forecast(Workload(7e9, step_s=1.7, shard=True), TWO, ten))["HSDP (FSDP2)"]
+    wire = 4 * 7e9 / (10e9 / 8)  # a ring of the two regions sends the fp32 gradients once
+    assert wire + 1.7 < hsdp.step_s < wire + 1.7 + 35 * 0.2  # and a few round trips a block
 
 
 def test_a_single_region_has_no_cross_region_modes():
@@ -309,6 +345,37 @@ def test_per_step_rungs_hide_behind_compute_all_but_the_last_buckets_exchange():
     # nothing compressed: the hook's plain all-reduce, DDP's ring; sharded, HSDP's
     assert predict_rungs(one, [("none", None)] * 2) == predict_ddp(one, 4)
     assert predict_rungs(one, [("none", None)] * 2, sharded=True) == predict_ddp(one, 4, True)
+
+
+def test_streaming_fragments_send_the_same_bytes_and_overlap_hides_their_exchange():
+    """Streaming DiLoCo's schedule in the forecast: F fragments sync in turn, each once every H
+    steps (the same bytes a step as one sync of the whole model, F round trips); an exchange
+    that overlaps tau steps stalls only what those steps do not hide, and a link that cannot
+    carry the F exchanges within H steps sets the pace."""
+    from cloudtrain.forecast import predict_outer
+
+    four_bit, owner = ("quant", 4), LinkEstimate(6.25e6, 0.08)
+    s = Setting(4_000_000, 4, (owner, owner), 2, 0.5, 0.0)
+    whole, whole_sent = predict_outer(s, 100, [four_bit] * 2, zstd=False)
+    split, split_sent = predict_outer(s, 100, [four_bit] * 2, zstd=False, fragments=4)
+    assert split_sent == [pytest.approx(b, rel=1e-3) for b in whole_sent]  # 3 headers more
+    assert split == pytest.approx(whole + 3 * 0.08 / 100, rel=1e-5)  # 3 more round trips in H
+    hidden, hidden_sent = predict_outer(s, 100, [four_bit] * 2, zstd=False, fragments=4, overlap=1)
+    assert hidden_sent == split_sent
+    exchange = 0.08 + 2 * 4_000_000 / 4 / 2 * 0.5 / 6.25e6  # a fragment: ~0.24 s, under a step
+    assert exchange < 0.5 and hidden == pytest.approx(0.5)  # all of it behind the next step
+    slow = Setting(4_000_000, 4, (LinkEstimate(1e5, 0.08),) * 2, 2, 0.5, 0.0)
+    paced, _ = predict_outer(slow, 100, [four_bit] * 2, zstd=False, fragments=4, overlap=1)
+    carried, _ = predict_outer(slow, 100, [four_bit] * 2, zstd=False, fragments=1, overlap=1)
+    assert paced > 0.5 and carried > 0.5  # the link cannot carry them in H steps: it paces
+    # a forecast row says the schedule it priced
+    row = forecast(
+        Workload(params=50e6, step_s=0.5),
+        Cluster.parse("us-east-1=1xg5.xlarge,eu-west-1=1xg5.xlarge"),
+        {("us-east-1", "eu-west-1"): Link(100, 80), ("eu-west-1", "us-east-1"): Link(100, 80)},
+        outer=["diloco-streaming"],
+    ).rows[-1]
+    assert "4 fragments, overlap 1" in row.detail and row.step_s == pytest.approx(0.5, rel=0.01)
 
 
 def test_zstd_shrinks_the_packets_it_is_on_for_by_its_ratio_on_normal_values():

@@ -328,16 +328,26 @@ def _wrong_batch(rank, world):
     step(16)
     opt.step()
     model.verify_replicas()
+    sampler_errors = []
+    for dataset, given in ((63, model), (64, model.module)):
+        try:
+            cloudtrain.ShareSampler(dataset, given)
+        except ValueError as e:
+            sampler_errors.append(str(e))
     model.close()
-    return refused, model.steps_done
+    return refused, model.steps_done, sampler_errors
 
 
 def test_a_batch_that_is_not_the_share_is_refused_and_the_model_trains_on():
     """Refused at the forward, before DDP's: the next step trains (refused inside the
-    backward, it left DDP's reducer in a state its next step failed an internal assert on)."""
-    for refused, steps in run_ranks(2, _wrong_batch, timeout=120):
+    backward, it left DDP's reducer in a state its next step failed an internal assert on).
+    A sampler over fewer samples than a global batch, or given the bare module, is refused."""
+    for refused, steps, sampler_errors in run_ranks(2, _wrong_batch, timeout=120):
         assert refused is not None and "had 5 samples" in refused and "is 32" in refused, refused
         assert steps == 2
+        small, bare = sampler_errors
+        assert "63 samples, fewer than one global batch (64)" in small, small
+        assert "must be the cloudtrain.CloudDDP this sampler feeds" in bare, bare
 
 
 def test_resume_on_fewer_ranks_a_region_plans_the_shares_anew():

@@ -29,9 +29,8 @@ from ..forecast import (
     Workload,
     forecast,
     load_prices,
-    read_json,
-    read_text,
 )
+from ..options import read_json, read_text
 
 
 def _links(args: argparse.Namespace, names: list[str]) -> dict[tuple[str, str], Link]:
@@ -161,8 +160,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="GB of activations per GPU, counted in its memory (default 0: not counted)",
     )  # fmt: skip
     parser.add_argument(
-        "--intra-gbit", type=float, default=100.0,
-        help="Gbit/s between the GPUs of a region, for its dense reductions (default 100)",
+        "--intra-gbit", type=float, default=None,
+        help="Gbit/s between the GPUs of a region, for its dense reductions (default: the "
+        "instance type's: NVLink or PCIe in one host, EFA between hosts; 100 if not known)",
     )  # fmt: skip
     parser.add_argument(
         "--shard", action="store_true",
