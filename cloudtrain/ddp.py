@@ -16,6 +16,7 @@ once (Topology.broadcast_from_rank0).
 """
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -44,9 +45,21 @@ def _model_description(module: torch.nn.Module) -> list[tuple[str, tuple[int, ..
     ]
 
 
+WRAPPED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""Every CloudDDP and the module it wraps: cloudtrain.fully_shard refuses a module inside one."""
+
+
 def _check_dense(module: torch.nn.Module) -> None:
-    """CloudDDP compresses dense buckets: a module that makes sparse gradients is refused now,
-    naming the parameter, not inside backward()."""
+    """CloudDDP compresses dense buckets of whole parameters: a module sharded with FSDP2, or
+    one that makes sparse gradients, is refused now, naming what to do, not inside torch."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(sub, FSDPModule) for sub in module.modules()):
+        raise ValueError(
+            "CloudDDP: the model is sharded with FSDP2 (fully_shard); CloudDDP replicates whole "
+            "parameters. Shard it with cloudtrain.fully_shard alone (no CloudDDP around it): its "
+            "shards' gradients cross regions compressed (docs/sharding.md)"
+        )
     for prefix, sub in module.named_modules():
         if isinstance(sub, torch.nn.Embedding | torch.nn.EmbeddingBag) and sub.sparse:
             name = f"{prefix}.weight" if prefix else "weight"
@@ -188,6 +201,7 @@ class CloudDDP(DistributedDataParallel):
             raise ValueError("CloudDDP makes its own process groups; do not pass process_group")
         start_control_group(config.timeout_s)  # its rendezvous overlaps the checks
         _check_dense(module)
+        WRAPPED.add(module)
         names = check_agreement(module, config)
         # the groups' rendezvous (store round trips across the WAN) overlaps DDP's construction
         # and the links' probe
@@ -196,6 +210,7 @@ class CloudDDP(DistributedDataParallel):
         init_sync = ddp_kwargs.pop("init_sync", True)
         # across regions rank 0's parameters and buffers cross each link once, not once a rank
         super().__init__(module, init_sync=init_sync and topo.single_region, **ddp_kwargs)
+        WRAPPED.add(self)
         start_state = self._start_state(ddp_kwargs) if init_sync and not topo.single_region else []
         carried = False
         if probe and topo.links is None:

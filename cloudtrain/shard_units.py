@@ -65,7 +65,8 @@ def check_mesh(mesh: Any, ours: DeviceMesh) -> None:
         raise ValueError(
             f"cloudtrain.fully_shard: mesh={mesh!r} (ranks {ranks}, dims {names}) is not the mesh "
             f"of the regions, {ours.mesh.tolist()} with dims {MESH_DIMS} (a row per region): "
-            "leave mesh out, or pass mesh=cloudtrain.device_mesh()"
+            "leave mesh out, or pass mesh=cloudtrain.device_mesh(config) with the config given "
+            "to fully_shard (its regions make the mesh)"
         )
 
 

@@ -58,13 +58,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from .compress import ErrorFeedback
 from .config import AUTO, CompressionConfig
 from .datapath import CrossRegion
-from .ddp import check_agreement
+from .ddp import WRAPPED, check_agreement
 from .guard import QualityProbe
 from .hook import CommThread, FailureRelay, first_plan, verify_replicas
 from .outer import OuterLoop, check_optimizer
@@ -103,8 +104,10 @@ class ShardedComm(UnitExchange):
     """The cross-region side of a model sharded with cloudtrain.fully_shard (module docstring):
     one per model, made by its first fully_shard call. `ShardedComm.of(model)` finds it."""
 
-    def __init__(self, config: CompressionConfig) -> None:
+    def __init__(self, config: CompressionConfig, given: bool = True) -> None:
         self.config = config
+        self.given = given
+        """Whether a fully_shard call gave the config (else "auto", until a later call's)."""
         self.topo, self.mesh = topology_and_mesh(config)
         self.units: list[Unit] = []
         self.modules: list[nn.Module] = []
@@ -129,6 +132,27 @@ class ShardedComm(UnitExchange):
         self._issued: list[tuple[Unit, torch.futures.Future]] = []
         self._queued = False
         _LIVE.add(self)
+
+    def adopt(self, config: CompressionConfig) -> None:
+        """A later fully_shard call's config (the root's, say), where the earlier calls gave
+        none: it applies to the whole model if it names the same regions and timeout, which
+        made the mesh the earlier calls sharded over."""
+        if self.given:
+            raise ValueError(
+                f"cloudtrain.fully_shard: config {config.codec!r} differs from the one an earlier "
+                f"fully_shard call of this model gave ({self.config.codec!r}); give the config "
+                "once (or the same one every time)"
+            )
+        mesh_of = (repr(config.regions), config.timeout_s)
+        if self.ready or mesh_of != (repr(self.config.regions), self.config.timeout_s):
+            raise ValueError(
+                f"cloudtrain.fully_shard: config (regions={config.regions!r}, timeout_s="
+                f"{config.timeout_s}) is given after this model's first fully_shard call, which "
+                "made its mesh from the default config's regions and timeout"
+                + (" and ran a forward" if self.ready else "")
+                + "; give config= to the first call (the first block's), or to every call"
+            )
+        self.config, self.codecs, self.given = config, Codecs(config), True
 
     @classmethod
     def of(cls, module: nn.Module) -> ShardedComm:
@@ -243,7 +267,9 @@ class ShardedComm(UnitExchange):
                 return module
         raise ValueError(
             "cloudtrain.fully_shard: no unit holds all the others; shard the model's root too "
-            "(fully_shard(model) after its blocks), as FSDP2 expects"
+            "(fully_shard(model) after its blocks), as FSDP2 expects. With two models, shard "
+            "one's blocks and root before the other's: a model sharded in one call (no blocks) "
+            "is closed by its first forward, and until then the next call joins it"
         )
 
     def _device(self) -> torch.device:
@@ -448,6 +474,17 @@ def fully_shard(
     fully_shard gets its "shard" dimension, a region. config: a CompressionConfig, a preset name
     or a codec spec ("auto" by default), the same for every call of one model. Returns the module,
     now an FSDPModule."""
+    if isinstance(module, FSDPModule):
+        raise ValueError(
+            f"cloudtrain.fully_shard: this {type(module).__name__} is sharded already; shard each "
+            "module once (its blocks, then the root)"
+        )
+    if any(module is m for wrapped in list(WRAPPED) for m in wrapped.modules()):
+        raise ValueError(
+            "cloudtrain.fully_shard: this module is inside a CloudDDP, whose hook would never "
+            "run once FSDP2 has sharded its parameters; shard the model before wrapping "
+            "nothing around it: cloudtrain.fully_shard alone (docs/sharding.md)"
+        )
     config = None if config is None else CompressionConfig.resolve(config)
     if config is not None and config.elastic is not None:
         raise ValueError(
@@ -468,14 +505,14 @@ def fully_shard(
     if comm is not None and not comm.joins(module):
         comm = None  # another model: sharded after this one's root, and not around it
     if comm is not None and config is not None and config != comm.config:
-        raise ValueError(
-            f"cloudtrain.fully_shard: config {config.codec!r} differs from the one this model's "
-            f"first fully_shard call gave ({comm.config.codec!r}); give the config once (or the "
-            "same one every time)"
-        )
+        try:
+            comm.adopt(config)
+        except ValueError:
+            _OPEN.clear()  # this model cannot go on: the next call starts another
+            raise
     fresh = comm is None
     if comm is None:
-        comm = ShardedComm(config or CompressionConfig.resolve(AUTO))
+        comm = ShardedComm(config or CompressionConfig.resolve(AUTO), given=config is not None)
     check_mesh(mesh, comm.mesh)
     if "process_group" in fsdp_kwargs or "dp_mesh_dims" in fsdp_kwargs:
         raise ValueError(

@@ -8,6 +8,8 @@ train_charlm.py reads it.
         --config diloco-4bit --sync-every 20          # the outer loop on shards
     torchrun --standalone --nproc-per-node 4 examples/train_sharded.py --regions a,a,b,b \
         --ckpt /tmp/sharded-run                       # resumes from the newest step there
+    torchrun --standalone --nproc-per-node 2 examples/train_sharded.py --regions a,b \
+        --ckpt /tmp/sharded-run --new-mesh            # the same run on 1 rank a region
     horovodrun --gloo -np 4 -H localhost:4 python examples/train_sharded.py --regions a,a,b,b
 
 --config: a cloudtrain preset or codec spec ("auto" by default: the controller picks the codec
@@ -33,12 +35,12 @@ from cloudtrain.tools.data import CharLM, stdlib_text, windows
 from cloudtrain.tools.memory import rank_memory
 
 
-def shard(model: CharLM, config: cloudtrain.CompressionConfig | None) -> None:
+def shard(model: CharLM, config: cloudtrain.CompressionConfig, hsdp: bool) -> None:
     """Each block an FSDP unit, then the root (embeddings, final norm, tied head)."""
-    if config is None:  # plain FSDP2 HSDP on the regions' mesh, for comparison
+    if hsdp:  # plain FSDP2 HSDP on the regions' mesh, for comparison
         from torch.distributed.fsdp import fully_shard
 
-        mesh = cloudtrain.device_mesh()
+        mesh = cloudtrain.device_mesh(config)  # its regions
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -62,8 +64,23 @@ def arguments() -> argparse.Namespace:
         "--ckpt", default=None, help="a folder or s3://BUCKET-{region}/PREFIX: resume, save"
     )
     ap.add_argument("--save-every", type=int, default=50, help="steps between saves to --ckpt")
+    ap.add_argument(
+        "--new-mesh", action="store_true",
+        help="resume a --ckpt saved with another number of ranks a region: the model and "
+        "optimizer are resharded, cloudtrain's own state starts afresh",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.config == "hsdp" and args.ckpt:
+        ap.error("--ckpt saves cloudtrain's sharded state; --config hsdp has none to save")
+    if (
+        args.sync_every is not None
+        and not cloudtrain.CompressionConfig.resolve(
+            "none" if args.config == "hsdp" else args.config
+        ).outer
+    ):
+        ap.error(f"--sync-every is the outer loop's H; --config {args.config} has no outer loop")
+    return args
 
 
 def main() -> None:
@@ -83,7 +100,7 @@ def main() -> None:
     if config.outer is not None and args.sync_every is not None:
         outer = dataclasses.replace(config.outer, sync_every=args.sync_every)
         config = dataclasses.replace(config, outer=outer)
-    shard(model, None if hsdp else config)
+    shard(model, config, hsdp)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)  # after sharding, as FSDP2 wants
     comm = None if hsdp else cloudtrain.ShardedComm.of(model)
 
@@ -93,7 +110,7 @@ def main() -> None:
         from cloudtrain.checkpoint import ShardedCheckpointer
 
         ckpt = ShardedCheckpointer(args.ckpt)
-        start = ckpt.load(model, opt, comm) or 0
+        start = ckpt.load(model, opt, comm, comm_state=not args.new_mesh) or 0
     g = torch.Generator().manual_seed(args.seed)
     t0, loss = time.perf_counter(), torch.tensor(0.0)
     for step in range(args.steps):

@@ -304,6 +304,27 @@ def test_truncated_shard_is_skipped(store: Store) -> None:
     assert ckpt.load()["step"] == 1
 
 
+def test_a_moved_or_copied_checkpoint_is_read_where_it_is(tmp_path, monkeypatch) -> None:
+    """A checkpoint of one folder reads its files next to its manifest: saved through a relative
+    path and loaded from another working directory, moved, or copied (a damaged copy is
+    skipped, never made good by the original's files)."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    _save(Checkpointer("rel/ckpt"), 3, seed=3)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert Checkpointer(str(tmp_path / "rel/ckpt")).load()["comm_state"] == {"seed": 3}
+    shutil.move(tmp_path / "rel/ckpt", tmp_path / "moved")
+    assert Checkpointer(str(tmp_path / "moved")).load()["comm_state"] == {"seed": 3}
+    shutil.copytree(tmp_path / "moved", tmp_path / "copy")
+    shard = tmp_path / "copy" / step_dir(3) / rank_file(0)
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(CheckpointNotFoundError, match=r"rank-00000\.pt is \d+ bytes"):
+        Checkpointer(str(tmp_path / "copy")).load()
+    assert Checkpointer(str(tmp_path / "moved")).load()["step"] == 3
+
+
 def test_nothing_complete_raises_with_the_reasons(store: Store) -> None:
     ckpt = store.checkpointer()
     assert ckpt.latest_step() is None

@@ -180,13 +180,18 @@ def test_charlm_compressed_validation_loss_within_2pct_of_ddp(config, steps):
     assert gap < 0.02, (ddp, cloud)
 
 
-def test_train_sharded_under_torchrun():
+def test_train_sharded_under_torchrun(tmp_path):
     """examples/train_sharded.py on 2 regions x 2 ranks: FSDP2 units inside the regions, the
     shards' gradients compressed across them; each rank holds about a quarter of the model's
-    parameters + gradients + optimizer state (1/2 of them on 2 ranks a region: 16 N / 2 bytes)."""
+    parameters + gradients + optimizer state (1/2 of them on 2 ranks a region: 16 N / 2 bytes).
+    Its checkpoint resumes on 2 regions x 1 rank with --new-mesh (DCP reshards)."""
+    ckpt = ["--ckpt", str(tmp_path / "ckpt"), "--save-every", "30"]
     cmd = torchrun("train_sharded.py", "--config", "quant4", "--regions", "a,a,b,b")
     cmd[cmd.index("--nproc-per-node=2")] = "--nproc-per-node=4"
-    result, _ = run([*cmd, "--steps", "30"], timeout=300)
+    result, _ = run([*cmd, "--steps", "30", *ckpt], timeout=300)
+    one = torchrun("train_sharded.py", "--config", "quant4", "--regions", "a,b")
+    resumed, _ = run([*one, "--steps", "34", *ckpt, "--new-mesh"], timeout=300)
+    assert resumed["start"] == 30 and resumed["loss"] < 4.0, resumed
     print(f"\ntorchrun train_sharded: {result}")
     assert result["config"] == "quant4" and result["wan_bytes_sent"] > 0
     assert result["loss"] < 4.0  # below the ~4.6 nats of guessing among ~100 characters

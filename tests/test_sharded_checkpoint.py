@@ -73,7 +73,7 @@ def _first(rank, world, root):
 
 def _resumed(rank, world, root):
     import cloudtrain
-    from cloudtrain.checkpoint import ShardedCheckpointer
+    from cloudtrain.checkpoint import CheckpointError, ShardedCheckpointer
     from cloudtrain.checkpoint.manifest import deserialize
 
     cloudtrain.init()
@@ -92,7 +92,20 @@ def _resumed(rank, world, root):
         except ValueError as e:
             refused = str(e)
     ShardedCheckpointer(os.path.join(root, "pipeline")).load(model, opt, comm, comm_state=False)
-    return resumed, refused
+    # a model of another config: refused before anything is loaded into it
+    other = shard(make_model(), _config("outer"))
+    before = [p.to_local().detach().clone() for p in other.parameters()]
+    mismatch = None
+    try:
+        ShardedCheckpointer(os.path.join(root, "pipeline")).load(
+            other, torch.optim.AdamW(other.parameters()), cloudtrain.ShardedComm.of(other)
+        )
+    except CheckpointError as e:
+        mismatch = str(e)
+    untouched = all(
+        torch.equal(a, p.to_local()) for a, p in zip(before, other.parameters(), strict=True)
+    )
+    return resumed, refused, (mismatch, untouched)
 
 
 def _resharded(rank, world, root, comm_state):
@@ -126,6 +139,8 @@ def test_resume_from_a_dcp_checkpoint_is_bit_identical(tmp_path):
             for a, b in zip(whole[rank][mode], resumed[rank][0][mode], strict=True):
                 assert torch.equal(a, b), f"rank {rank} {mode}: resumed run differs"
     assert "each rank loads its own" in resumed[1][1]
+    for _, _, (mismatch, untouched) in resumed:
+        assert "saved with another CompressionConfig" in mismatch and untouched, mismatch
     resharded = run_ranks(2, _resharded, str(tmp_path), False, timeout=300)
     for rank, (low, _) in enumerate(((0, 1), (2, 3))):  # rank 0: region us (ranks 0, 1) ...
         saved = zip(first[low][1], first[low + 1][1], strict=True)

@@ -1,6 +1,7 @@
 """cloudtrain.fully_shard's errors and failures, on 2 regions x 2 ranks over gloo: bad inputs
 (a mesh that is not the regions', several dtypes in one unit, an optimizer built before
-sharding, units sharded differently in the two regions, a unit left to torch's own fully_shard)
+sharding, units sharded differently in the two regions, a unit left to torch's own fully_shard,
+a config given after the mesh was made, CloudDDP around a sharded model or inside one)
 raise a ValueError naming the fix, on every rank, before the first step's exchange; NaN in one
 rank's gradient raises on every rank ("raise") or reaches every rank without poisoning the
 residuals ("pass"); stats() counts what crossed; a killed peer is a CommError.
@@ -19,7 +20,10 @@ from distributed import RankFailed, run_ranks
 from models import batch, loss_of, make_model
 from test_sharded import REGIONS, shard
 
-BAD = ("mesh", "dtypes", "optimizer", "units", "torch_unit")
+BAD = (
+    "mesh", "dtypes", "optimizer", "units", "torch_unit", "late_config", "ddp_around",
+    "shard_inside", "twice",
+)  # fmt: skip
 
 
 def _bad(kind, rank):
@@ -52,9 +56,37 @@ def _bad(kind, rank):
             cloudtrain.fully_shard(model[0], config=cfg)
             cloudtrain.fully_shard(model, config=cfg)
             loss_of(model, *batch(rank, 0)).backward()
+        elif kind == "late_config":  # the blocks' calls made the mesh of the default regions
+            for i in (0, 2, 4):
+                cloudtrain.fully_shard(model[i])
+            cloudtrain.fully_shard(model, config=cfg)
+        elif kind == "twice":
+            shard(model, cfg)
+            cloudtrain.fully_shard(model[0], config=cfg)
+        elif kind == "ddp_around":
+            cloudtrain.CloudDDP(shard(model, cfg), cfg)
+        elif kind == "shard_inside":
+            ddp = cloudtrain.CloudDDP(model, cfg)
+            try:
+                cloudtrain.fully_shard(ddp.module[0], config=cfg)
+            finally:
+                ddp.close()
     except ValueError as e:
         return str(e)
     return None
+
+
+def _root_config(rank):
+    """A config given at the root only, naming the default's regions: the model takes it."""
+    import cloudtrain
+    from cloudtrain import CompressionConfig
+
+    model = make_model()
+    for i in (0, 2, 4):
+        cloudtrain.fully_shard(model[i])
+    cloudtrain.fully_shard(model, config=CompressionConfig.resolve("quant4"))
+    loss_of(model, *batch(rank, 0)).backward()
+    return cloudtrain.ShardedComm.of(model).config.codec
 
 
 def _nonfinite(rank, mode):
@@ -86,6 +118,7 @@ def _checks(rank, world):
 
     cloudtrain.init()
     errors = {kind: _bad(kind, rank) for kind in BAD}
+    errors["root_config"] = _root_config(rank)
     return errors, _nonfinite(rank, "raise"), _nonfinite(rank, "pass")
 
 
@@ -95,6 +128,10 @@ MESSAGES = {
     "optimizer": "built before cloudtrain.fully_shard",
     "units": "shards the model differently",
     "torch_unit": "was sharded by torch's fully_shard",
+    "late_config": "give config= to the first call",
+    "ddp_around": "Shard it with cloudtrain.fully_shard alone",
+    "shard_inside": "this module is inside a CloudDDP",
+    "twice": "is sharded already",
 }
 
 
@@ -104,6 +141,7 @@ def test_bad_inputs_and_nonfinite_gradients_raise_clearly_on_every_rank():
         for kind in BAD:
             assert errors[kind] is not None, f"{kind}: no error raised"
             assert MESSAGES[kind] in errors[kind], errors[kind]
+        assert errors["root_config"] == "quant", errors["root_config"]
         outcome, _, _ = raised
         assert outcome[0] is True and "has NaN or Inf (raised on every rank)" in outcome[1]
         outcome, residuals_finite, stats = passed

@@ -130,11 +130,16 @@ def parse_manifest(raw: bytes, step: int, where: str, root: str) -> dict[str, An
                 raise ValueError(f"entry {e['name']} has no integer size and sha256")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise IncompleteStep(f"unreadable manifest.json ({type(e).__name__}: {e})") from None
-    # Roots the manifest leaves implicit (version 1) are the store it was read from.
+    # Roots the manifest leaves implicit (version 1) are the store it was read from. So are
+    # those of a checkpoint whose files all went to one store, read from another place (moved,
+    # copied, or saved through a relative path from another working directory): its files are
+    # where its manifest is, never in the folder it was first written to.
+    saved = {e["root"] for e in files} | {r for r in ranks if r}
+    moved = len(saved) == 1 and root not in saved
     for e in files:
-        e["root"] = e["root"] or root
+        e["root"] = root if moved or not e["root"] else e["root"]
     return {"step": step, "world_size": world_size, "version": version, "files": files,
-            "ranks": [r or root for r in ranks]}  # fmt: skip
+            "ranks": [root if moved or not r else r for r in ranks]}  # fmt: skip
 
 
 def files_to_read(

@@ -229,6 +229,13 @@ class ShardedCheckpointer:
                 f"{list(topo.rank_regions)}: the comm state belongs to the saved shards' "
                 "owners; load(..., comm_state=False) to reshard the model and optimizer only"
             )
+        saved_config = (saved.get("comm_state") or {}).get("config")
+        if comm_state and saved_config != comm.config.fingerprint():
+            raise CheckpointError(
+                f"checkpoint step {step} was saved with another CompressionConfig than this "
+                "model's (nothing was loaded): resume with the config it was saved with, or "
+                "load(..., comm_state=False) to take the model and optimizer only"
+            )
         comm.set_up()
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optim_state}
