@@ -190,23 +190,10 @@ class Planner:
         plan `ran` (rungs, staleness; `now` may have taken effect since). `took`: seconds the
         gathering took; the next decisions come that much further apart in steps (twice it, for
         the broadcast back), so that each has arrived when due."""
-        opts, warm = self.options, step - now.start > FIRST_DECISION  # peers warming up
+        opts = self.options
         interval = Interval.of(gathered, self.topo.members)
-        shard_numels = now.shard_numels
-        est = now.estimates.copy()
-        est.compute_s = interval.compute_s or est.compute_s or 1.0
-        if warm:  # (the first steps' compute is slow to warm up: not the ranks' throughput)
-            est.observe_throughput(interval, opts.ewma)
-        reprobe = est.observe_links(interval, warm, self.topo.shards, opts.ewma, now.interval)
-        # before the cost model is built: a plan in force that took twice its time drops the
-        # times measured before (the plain all-reduce's too) and asks for a re-probe; in its
-        # first interval a plan's steps are not its own yet
-        due = step - now.start > FIRST_DECISION + opts.interval
-        ran_step = interval.step_s if due else None
-        reprobe |= est.observe_step((tuple(ran[0]), ran[1]), ran_step, opts.ewma)
-        stages = interval.stages if warm else {}
-        est.observe_stages(stages, opts.ewma)
-        model = self._cost_model(est, stages, shard_numels, ran[0])
+        est, stages, reprobe = self._observe(step, now, interval, ran)
+        model = self._cost_model(est, stages, now.shard_numels, ran[0])
         depths = model.useful_depths(self.allowed_staleness)
         guard, notes = self._guard_step(now, model, interval, ran, depths)
         depths = self._guarded(depths, guard)
@@ -249,6 +236,28 @@ class Planner:
             step, tuple(rungs), tuple(streak), staleness, tuple(zstd), every, reprobe,
             est.state_dict(), None if guard is None else guard.state_dict(), record, shares,
         )  # fmt: skip
+
+    def _observe(
+        self, step: int, now: Current, interval: Interval, ran: tuple
+    ) -> tuple[Estimates, dict[str, float], bool]:
+        """The estimates in force updated with the interval's measurements (compute, throughput,
+        links, the step under the plan `ran`, the stages), the stages they take, and whether a
+        re-probe is asked."""
+        opts, warm = self.options, step - now.start > FIRST_DECISION  # peers warming up
+        est = now.estimates.copy()
+        est.compute_s = interval.compute_s or est.compute_s or 1.0
+        if warm:  # (the first steps' compute is slow to warm up: not the ranks' throughput)
+            est.observe_throughput(interval, opts.ewma)
+        reprobe = est.observe_links(interval, warm, self.topo.shards, opts.ewma, now.interval)
+        # before the cost model is built: a plan in force that took twice its time drops the
+        # times measured before (the plain all-reduce's too) and asks for a re-probe; in its
+        # first interval a plan's steps are not its own yet
+        due = step - now.start > FIRST_DECISION + opts.interval
+        ran_step = interval.step_s if due else None
+        reprobe |= est.observe_step((tuple(ran[0]), ran[1]), ran_step, opts.ewma)
+        stages = interval.stages if warm else {}
+        est.observe_stages(stages, opts.ewma)
+        return est, stages, reprobe
 
     def _cost_model(
         self, est: Estimates, stages: dict[str, float], shard_numels: Sequence[int], ran: list[int]
