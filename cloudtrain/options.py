@@ -131,22 +131,32 @@ class ControllerOptions:
             _number("quality_bound", self.quality_bound, 0, 100, open_lo=True)
         _number("drift_bound", self.drift_bound, 0, 100)
         _number("quality_sample", self.quality_sample, 1, 2**24, integer=True)
-        if not isinstance(self.ladder, tuple) or not self.ladder:
-            raise ValueError("ladder: give at least one (codec, level) rung")
-        for name, level in self.ladder:
-            make_codec(name).check_level(level)  # raises for an unknown codec or a bad level
+        if not isinstance(self.ladder, (tuple, list)) or not self.ladder:
+            raise ValueError(
+                f"ladder={self.ladder!r}: give at least one (codec, level) rung, e.g. "
+                "(('quant', 8), ('quant', 4))"
+            )
+        rungs = []
+        for rung in self.ladder:  # lists (as JSON gives them) become the tuples a rung is
+            if not isinstance(rung, (tuple, list)) or len(rung) != 2:
+                raise ValueError(
+                    f"ladder: rung {rung!r} is not a (codec, level) pair, e.g. ('quant', 4) or "
+                    "('topk>quant', (0.01, 8))"
+                )
+            name, level = rung[0], tuple(rung[1]) if isinstance(rung[1], list) else rung[1]
+            try:
+                make_codec(name).check_level(level)
+            except ValueError as e:  # an unknown codec or a bad level
+                raise ValueError(f"ladder: rung {rung!r}: {e}") from None
+            rungs.append((name, level))
+        object.__setattr__(self, "ladder", tuple(rungs))
         if self.tensorboard_dir is not None and not isinstance(self.tensorboard_dir, str):
             raise ValueError(f"tensorboard_dir={self.tensorboard_dir!r} must be a path or None")
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> ControllerOptions:
         """Options from a plain dict (e.g. read from JSON): unknown keys are an error."""
-        opts = _known(cls, options, "controller")
-        if "ladder" in opts:
-            opts["ladder"] = tuple(
-                (name, tuple(lv) if isinstance(lv, list) else lv) for name, lv in opts["ladder"]
-            )
-        return cls(**opts)
+        return cls(**_known(cls, options, "controller"))
 
 
 OUTER_DTYPES = ("float32", "bfloat16")

@@ -201,6 +201,17 @@ class ShareSampler(torch.utils.data.Sampler[list[int]]):
                 "feeds, built with CompressionConfig(global_batch=N) - it plans the shares"
             )
         self.model, self.shares = model, shares
+        if not (isinstance(dataset, int) and not isinstance(dataset, bool)) and not hasattr(
+            dataset, "__len__"
+        ):
+            raise ValueError(
+                f"ShareSampler: dataset is a {type(dataset).__name__} without a length; give a "
+                "map-style dataset (len() and indexing) or its number of samples"
+            )
+        if not isinstance(shuffle, bool) or isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(
+                f"ShareSampler: shuffle={shuffle!r} must be True or False and seed={seed!r} an int"
+            )
         self.size = dataset if isinstance(dataset, int) else len(dataset)
         if self.size < shares.global_batch:
             raise ValueError(

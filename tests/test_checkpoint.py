@@ -389,6 +389,10 @@ def test_bad_uris(tmp_path) -> None:
         Checkpointer("s3:///prefix")
     with pytest.raises(CheckpointError, match="keep_last=0"):
         Checkpointer(str(tmp_path), keep_last=0)
+    with pytest.raises(CheckpointError, match="keep_last='3': keep at least 1 step"):
+        Checkpointer(str(tmp_path), keep_last="3")  # a TypeError before
+    with pytest.raises(CheckpointError, match="step='7' must be an int"):
+        Checkpointer(str(tmp_path / "s")).save("7")
     with pytest.raises(ValueError, match="at least 5 MiB"):
         S3Config(multipart_chunksize=1024)
     for empty in ("", "  ", None):  # "" wrote into the working directory

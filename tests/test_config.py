@@ -105,11 +105,14 @@ def test_controller_options_are_typed_when_the_config_is_made() -> None:
         {"ladder": ()},
         {"ladder": (("zip", None),)},
         {"ladder": (("quant", 3),)},
+        {"ladder": "quant"},
+        {"ladder": [["quant"]]},  # a TypeError or an unpacking error before
+        {"ladder": [5]},
         {"tensorboard_dir": 3},
     ],
 )
 def test_bad_controller_options(options: dict) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"{next(iter(options))}"):
         CompressionConfig(controller=options)
 
 

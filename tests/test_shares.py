@@ -329,9 +329,12 @@ def _wrong_batch(rank, world):
     opt.step()
     model.verify_replicas()
     sampler_errors = []
-    for dataset, given in ((63, model), (64, model.module)):
+    for dataset, given, options in (
+        (63, model, {}), (64, model.module, {}), (iter(range(64)), model, {}),
+        (64, model, {"seed": "3"}),
+    ):  # fmt: skip
         try:
-            cloudtrain.ShareSampler(dataset, given)
+            cloudtrain.ShareSampler(dataset, given, **options)
         except ValueError as e:
             sampler_errors.append(str(e))
     model.close()
@@ -345,9 +348,11 @@ def test_a_batch_that_is_not_the_share_is_refused_and_the_model_trains_on():
     for refused, steps, sampler_errors in run_ranks(2, _wrong_batch, timeout=120):
         assert refused is not None and "had 5 samples" in refused and "is 32" in refused, refused
         assert steps == 2
-        small, bare = sampler_errors
+        small, bare, unsized, seed = sampler_errors
         assert "63 samples, fewer than one global batch (64)" in small, small
         assert "must be the cloudtrain.CloudDDP this sampler feeds" in bare, bare
+        assert "range_iterator without a length" in unsized, unsized
+        assert "seed='3' an int" in seed, seed
 
 
 def test_resume_on_fewer_ranks_a_region_plans_the_shares_anew():

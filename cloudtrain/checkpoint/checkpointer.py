@@ -18,6 +18,7 @@ the ranks agree on it.
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import pickle
 import re
@@ -96,6 +97,11 @@ def check_layout(layout: list[tuple[str, str | None, bool, bool]]) -> None:
         )
 
 
+def _is_int(value: Any) -> bool:
+    """An int (a numpy or torch integer too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 class Checkpointer:
     """Saves and loads training state; see the package docstring for the layout.
 
@@ -117,8 +123,10 @@ class Checkpointer:
         compression_level: int | None = DEFAULT_ZSTD_LEVEL,
         timeout_s: float | None = None,
     ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise CheckpointError(f"keep_last={keep_last}: keep at least 1 step, or None for all")
+        if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
+            raise CheckpointError(
+                f"keep_last={keep_last!r}: keep at least 1 step (an int), or None for all"
+            )
         if compression_level is not None and (
             isinstance(compression_level, bool)
             or not isinstance(compression_level, int)
@@ -163,8 +171,8 @@ class Checkpointer:
         When this returns on any rank, the step is committed on all of them; a failure on any rank
         raises CheckpointError on every rank.
         """
-        if step < 0:
-            raise CheckpointError(f"step={step} must be >= 0")
+        if not _is_int(step) or step < 0:
+            raise CheckpointError(f"step={step!r} must be an int >= 0 (the training step)")
         files = dict(files or {})
         for name in files:
             if not _OWN_FILE.match(name) or name in _RESERVED or _RANK_FILE.match(name):
