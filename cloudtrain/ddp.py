@@ -46,7 +46,7 @@ def _model_description(module: torch.nn.Module) -> list[tuple[str, tuple[int, ..
 
 
 WRAPPED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-"""Every CloudDDP and the module it wraps: cloudtrain.fully_shard refuses a module inside one."""
+"""Every CloudDDP made: cloudtrain.fully_shard refuses a module inside one."""
 
 
 def _check_dense(module: torch.nn.Module) -> None:
@@ -201,7 +201,6 @@ class CloudDDP(DistributedDataParallel):
             raise ValueError("CloudDDP makes its own process groups; do not pass process_group")
         start_control_group(config.timeout_s)  # its rendezvous overlaps the checks
         _check_dense(module)
-        WRAPPED.add(module)
         names = check_agreement(module, config)
         # the groups' rendezvous (store round trips across the WAN) overlaps DDP's construction
         # and the links' probe

@@ -63,10 +63,10 @@ GPUS: dict[str, tuple[float, float]] = {
 
 INTERCONNECT_GBIT: dict[str, tuple[float, float]] = {
     # type: (between the GPUs of one host, between hosts of a region), Gbit/s per GPU's ring
-    "g5.xlarge": (0.0, 10),
+    "g5.xlarge": (10, 10),  # one GPU a host: its hosts' network only
     "g5.12xlarge": (128, 40),  # PCIe 4.0 x16
     "g5.48xlarge": (128, 100),
-    "g6.xlarge": (0.0, 10),
+    "g6.xlarge": (10, 10),
     "g6e.12xlarge": (128, 100),
     "p4d.24xlarge": (2400, 400),  # NVLink 3: 300 GB/s a direction; 4 x 100 Gbit/s EFA
     "p4de.24xlarge": (2400, 400),

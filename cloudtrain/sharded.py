@@ -482,8 +482,8 @@ def fully_shard(
     if any(module is m for wrapped in list(WRAPPED) for m in wrapped.modules()):
         raise ValueError(
             "cloudtrain.fully_shard: this module is inside a CloudDDP, whose hook would never "
-            "run once FSDP2 has sharded its parameters; shard the model before wrapping "
-            "nothing around it: cloudtrain.fully_shard alone (docs/sharding.md)"
+            "run once FSDP2 has sharded its parameters; use cloudtrain.fully_shard alone, with "
+            "no CloudDDP around the model (docs/sharding.md)"
         )
     config = None if config is None else CompressionConfig.resolve(config)
     if config is not None and config.elastic is not None:
