@@ -250,6 +250,21 @@ def _drain_at_exit() -> None:
     time.sleep(EXIT_DRAIN_S)
 
 
+def _rendezvous(addr: str, port: str) -> str:
+    """ "host:port" of the env:// rendezvous, checked: a port that is not one, or a host that
+    does not resolve, is named now (torch retries a name it cannot resolve until the timeout)."""
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise RuntimeError(f"cloudtrain.init: MASTER_PORT={port!r} is not a TCP port (1-65535)")
+    try:
+        socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise RuntimeError(
+            f"cloudtrain.init: MASTER_ADDR={addr!r} does not resolve ({e.strerror or e}); give "
+            "rank 0's address or a name every host resolves"
+        ) from None
+    return f"{addr}:{port}"
+
+
 def init(backend: str | None = None, timeout_s: float | None = None) -> None:
     """Initialise the default process group for this launch (see module docstring)."""
     atexit.unregister(_drain_at_exit)  # once, however often init runs
@@ -291,8 +306,16 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> None:
             raise RuntimeError(
                 f"RANK and WORLD_SIZE are set but {', '.join(missing)} is not; launch with torchrun or set them"
             )
+        where = _rendezvous(env["MASTER_ADDR"], env["MASTER_PORT"])
         _set_device(int(env.get("LOCAL_RANK", 0)), backend)
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        try:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        except dist.DistNetworkError as e:
+            raise RuntimeError(
+                f"cloudtrain.init: rank {env['RANK']} could not reach the rendezvous at {where} "
+                f"(MASTER_ADDR:MASTER_PORT): {str(e).splitlines()[0].rstrip('.')}; check that rank 0 runs "
+                "there and that the port is open between the hosts"
+            ) from None
         return
     store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)

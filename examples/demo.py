@@ -1,5 +1,6 @@
-"""The main job `make demo` runs: two processes training examples/train_digits.py data-parallel
-over gloo on this machine, on real data, and the accuracy they reach.
+"""The smallest run of cloudtrain: two processes training examples/train_digits.py data-parallel
+over gloo on this machine, on real data, and the accuracy they reach (`make demo` runs the bench
+on the emulated WAN instead: README).
 
     python examples/demo.py [--nproc 2] [--steps 300]
 """

@@ -63,3 +63,29 @@ def test_scripts_that_end_right_after_a_collective_exit_cleanly() -> None:
                 p.kill()  # a launch that hung or failed leaves no process behind
                 p.wait()
     assert not failures, failures
+
+
+def test_a_rendezvous_that_cannot_be_reached_is_named_at_once() -> None:
+    """A MASTER_ADDR that does not resolve (torch retried it until the 300 s timeout), a port
+    that is not one, and a rendezvous nobody listens at: an error naming it, and `cloudtrain
+    probe` says it in one line."""
+    cases = [
+        ("nohost.invalid", "29555", "MASTER_ADDR='nohost.invalid' does not resolve"),
+        ("127.0.0.1", "x", "MASTER_PORT='x' is not a TCP port"),
+        (
+            "127.0.0.1",
+            "1",
+            "could not reach the rendezvous at 127.0.0.1:1 (MASTER_ADDR:MASTER_PORT)",
+        ),
+    ]
+    for addr, port, message in cases:
+        env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": addr,
+               "MASTER_PORT": port, "CLOUDTRAIN_TIMEOUT": "2"}  # fmt: skip
+        init = subprocess.run([sys.executable, "-c", "import cloudtrain; cloudtrain.init()"],
+                              env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert init.returncode != 0 and message in init.stderr, init.stderr[-1000:]
+    probe = subprocess.run([sys.executable, "-m", "cloudtrain.cli", "probe"], env=env,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert probe.returncode == 2 and "Traceback" not in probe.stderr, probe.stderr
+    last = probe.stderr.strip().splitlines()[-1]  # after torch's own log line
+    assert last.startswith("cloudtrain probe: cloudtrain.init: rank 1 could not reach"), last

@@ -205,6 +205,20 @@ def test_plan_names_bad_input_in_one_line(tmp_path, args, message):
     assert res.stderr.startswith("cloudtrain plan: ") and message in res.stderr, res.stderr
 
 
+def test_plan_reads_a_probe_saved_through_cloudtrain_launch(tmp_path):
+    """`cloudtrain launch ... -- cloudtrain probe --json > probe.json` leaves horovodrun's
+    "[0]<stdout>:" before rank 0's line: the links read as from the bare output."""
+    probe = {"alpha_s": [[0, 0.04], [0.04, 0]], "beta_Bps": [[None, 12.5e6], [25e6, None]],
+             "regions": [0, 1]}  # fmt: skip
+    bare, launched = tmp_path / "bare.json", tmp_path / "launched.json"
+    bare.write_text(json.dumps(probe))
+    launched.write_text(f"[1]<stderr>:a warning\n[0]<stdout>:{json.dumps(probe)}\n")
+    base = ["--step-ms", "200", "--cluster", "us-east-1=1xg5.xlarge,eu-west-1=1xg5.xlarge"]
+    runs = [_plan(*base, "--probe", str(path), "--json") for path in (bare, launched)]
+    assert all(r.returncode == 0 for r in runs), runs[1].stderr
+    assert json.loads(runs[0].stdout) == json.loads(runs[1].stdout)
+
+
 def test_emit_writes_the_fp16_preset_where_the_fp16_row_is_recommended(tmp_path):
     res = _plan("--tokens-per-gpu", "8192", "--params", "7e9",
                 "--cluster", "us-east-1=2xp5en.48xlarge", "--emit", str(tmp_path))  # fmt: skip

@@ -114,6 +114,10 @@ def test_order_is_region_then_name() -> None:
         ('{"hosts": {"value": []}}', "non-empty list"),
         ('{"hosts": {"value": [{"name": "a", "region": "r", "slots": 1}]}}', "lacks private_ip"),
         (
+            '{"hosts": [{"name": "a", "region": null, "private_ip": "10.0.0.1", "slots": 1}]}',
+            "lacks region",
+        ),
+        (
             '{"hosts": {"value": [{"name": "a", "region": "r", "private_ip": "1.2.3.4", "slots": 0}]}}',
             "slots=0 must be an integer >= 1",
         ),
@@ -340,6 +344,11 @@ def test_launch_forwards_an_allow_list_and_never_secrets(capsys, monkeypatch) ->
         capsys, "launch", "-t", str(TF_OUTPUT), "--env", "NOT_SET_X", "--dry-run", "x"
     )
     assert rc == 2 and "NOT_SET_X is not set" in err
+    monkeypatch.setenv("CLOUDTRAIN_REGION", "us")  # it would give every rank the launcher's
+    rc, _, err = _cli(
+        capsys, "launch", "-t", str(TF_OUTPUT), "--env", "CLOUDTRAIN_REGION", "--dry-run", "x"
+    )
+    assert rc == 2 and "--env CLOUDTRAIN_REGION: each host's region comes from" in err
 
 
 # ------------------------------------------------------------------------------- regions

@@ -649,5 +649,15 @@ def test_cli_up_status_rate_exec_down(unique_name):
     assert ex.stdout.split() == ["eth0", "10.77.0.1"], ex.stderr
     text = cli("status", "--name", name).stdout
     assert "rate + delay (" in text and "80 ms RTT" in text, text
+    if emu["emulation"] == netem.DELAY_LINE:  # its note follows the rates: the busiest link
+        assert "420 Mbit/s" in emu["note"], emu["note"]  # us: 210 up + 210 down
+        assert cli("rate", "--region", "us", "--mbit", "30", "--name", name).returncode == 0
+        note = json.loads(cli("status", "--name", name, "--json").stdout)["emulators"][0]["note"]
+        assert "100 Mbit/s" in note, note  # now eu's 50 + 50
+    # its namespace removed by hand: status names it and the way out, down still cleans up
+    subprocess.run(["ip", "netns", "del", f"ct-{name}-wan"], check=True)
+    stale = cli("status", "--name", name)
+    assert stale.returncode == 1 and "Traceback" not in stale.stderr, stale.stderr
+    assert f"`cloudtrain netem down --name {name}` cleans it up" in stale.stderr, stale.stderr
     down = cli("down", "--name", name)
     assert down.returncode == 0 and our_namespaces(name) == set()

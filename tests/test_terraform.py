@@ -553,6 +553,9 @@ def test_example_runs_as_is() -> None:
     assert required <= set(tfvars), f"terraform.tfvars must set {required - set(tfvars)}"
     assert len(tfvars["regions"]) == 2
     assert all(r["instance_count"] == 2 and r["spot"] is True for r in tfvars["regions"].values())
+    # what terraform/README.md has a user set reaches the module (bucket names are global)
+    for name in ("checkpoint_bucket_suffix", "force_destroy_checkpoints"):
+        assert name in declared and module[name] == f"${{var.{name}}}", name
 
 
 # --------------------------------------------------------------------------------------------

@@ -126,6 +126,7 @@ def hosts_from_terraform_output(output: Any) -> list[Host]:
         if not isinstance(item, Mapping):
             raise ValueError(f"terraform output hosts[{i}] is {type(item).__name__}, not an object")
         missing = [k for k in ("name", "region", "private_ip", "slots") if k not in item]
+        missing += [k for k in ("name", "region", "slots") if k in item and item[k] is None]
         if missing:
             raise ValueError(f"terraform output hosts[{i}] lacks {', '.join(missing)}")
         hosts.append(
@@ -165,6 +166,7 @@ def hosts_from_ec2(cluster: str, regions: Iterable[str], *, default_slots: int =
     try:
         import boto3
         from botocore.config import Config
+        from botocore.exceptions import BotoCoreError, ClientError
     except ImportError as e:
         raise ValueError("EC2 discovery needs boto3: pip install 'cloudtrain[cloud]'") from e
     hosts = []
@@ -178,6 +180,13 @@ def hosts_from_ec2(cluster: str, regions: Iterable[str], *, default_slots: int =
                 {"Name": "instance-state-name", "Values": ["running"]},
             ]
         )
+        try:
+            pages = list(pages)
+        except (BotoCoreError, ClientError) as e:
+            raise ValueError(
+                f"EC2 discovery in region {region!r} failed: {e}; check the region's name and "
+                "AWS credentials (aws configure, AWS_PROFILE, or the instance's role)"
+            ) from None
         for page in pages:
             for reservation in page["Reservations"]:
                 for inst in reservation["Instances"]:

@@ -89,6 +89,12 @@ def rank_environment(
             # CLOUDTRAIN_HOST_REGIONS, so it does not go along.
             forwarded[name] = value
     for name in extra:
+        if name == REGION_ENV:
+            raise ValueError(
+                f"--env {REGION_ENV}: each host's region comes from the cluster's hosts (every "
+                "rank would get this one); give the hosts' regions in the cluster file or the "
+                "Terraform output instead"
+            )
         if is_secret(name):
             raise ValueError(
                 f"--env {name}: refusing to forward a variable that looks like a secret (horovodrun "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,10 +71,29 @@ def _unquoted(value: Any) -> Any:
     return value
 
 
+HOROVOD_PREFIX = re.compile(r"^\[\d+\]<stdout>:", re.MULTILINE)
+"""What horovodrun puts before each line a rank prints (`cloudtrain launch` runs horovodrun)."""
+
+
+def _probe_json(path: str) -> Any:
+    """`cloudtrain probe --json`'s output, as it was saved: alone, or as `cloudtrain launch ...
+    -- cloudtrain probe --json > probe.json` leaves it (horovodrun's "[0]<stdout>:" before it)."""
+    text = HOROVOD_PREFIX.sub("", read_text("--probe", path))
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        lines = [line for line in text.splitlines() if line.lstrip().startswith("{")]
+        try:  # the last line of JSON, after what other ranks or the launcher printed
+            return json.loads(lines[-1]) if lines else None
+        except json.JSONDecodeError:
+            pass
+        raise ValueError(f"--probe {path}: not JSON ({e})") from None
+
+
 def _probed(path: str, names: list[str], per_region: int | None) -> dict[tuple[str, str], Link]:
     """The links between the regions' first ranks in `cloudtrain probe --json`'s matrix; ranks
     are the regions' in order, `per_region` each (default: as the probe clustered them)."""
-    data = read_json("--probe", path)
+    data = _probe_json(path)
     if not isinstance(data, dict) or not {"beta_Bps", "alpha_s"} <= set(data):
         raise ValueError(
             f"--probe {path}: no beta_Bps and alpha_s matrices; give what `cloudtrain probe "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 from datetime import timedelta
@@ -28,7 +29,11 @@ from ..tcp import host_warning
 def _run_probe(as_json: bool) -> int:
     from ..bootstrap import init
 
-    init()
+    try:
+        init()
+    except (RuntimeError, ValueError) as e:  # the launch's environment: named by init
+        print(f"cloudtrain probe: {e}", file=sys.stderr)
+        return 2
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
     links = probe(group)
     regions = cluster_regions(links)
@@ -70,16 +75,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.netem:
         return _run_probe(args.json)
-    from .netem import Emulator
+    from .netem import Emulator, EmulatorError
 
-    wan = Emulator.attach(args.netem)
+    if os.geteuid() != 0:
+        print(
+            "cloudtrain probe --netem runs a rank in each of the emulator's network namespaces, "
+            "which needs root: run it with sudo",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        wan = Emulator.attach(args.netem)
+    except (EmulatorError, ValueError) as e:
+        print(f"cloudtrain probe: {e}", file=sys.stderr)
+        return 2
     argv = [sys.executable, "-m", "cloudtrain.tools.probe"] + (["--json"] if args.json else [])
     env = {"WORLD_SIZE": str(wan.world_size), "MASTER_PORT": "29517"}
     procs = [
         wan.popen(r, argv, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
         for r in range(wan.world_size)
     ]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:  # a rank stuck past the timeout (or an interrupt): none is left behind
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     code = max(p.returncode for p in procs)
     # What was emulated beside what was measured: the fitted latency should match the RTT.
     emulated = {

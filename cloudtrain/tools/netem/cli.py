@@ -38,7 +38,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p = add("up", "build an emulated cluster (stays up until `down`)")
     p.add_argument("--regions", required=True, help="ranks per region in rank order: us:2,eu:2")
     how = p.add_mutually_exclusive_group(required=True)
-    how.add_argument("--profile", help=f"link profile: {', '.join(PROFILES)}, or <N>mbit")
+    how.add_argument("--profile", help=f"link profile: {', '.join(PROFILES)}, or <N>mbit / <N>gbit")
     how.add_argument("--mbit", help="rate for all regions (100) or per region (us=1000,eu=50)")
     p.add_argument(
         "--rtt-ms",
@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run_command(args)
     except (EmulatorError, ValueError, KeyError, IndexError) as e:
-        print(f"cloudtrain netem: {e}", file=sys.stderr)
+        why = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str quotes
+        print(f"cloudtrain netem: {why}", file=sys.stderr)
         return 1
 
 
@@ -132,9 +133,18 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     names = [args.name] if args.name else _state_names()
-    report = []
+    report, broken = [], []
     for name in names:
-        wan = Emulator.attach(name)
+        try:
+            wan = Emulator.attach(name)
+            counters = wan.counters()
+        except EmulatorError as e:  # its namespaces gone, or its state unreadable: the others
+            broken.append(name)
+            print(
+                f"cloudtrain netem: {e} (`cloudtrain netem down --name {name}` cleans it up)",
+                file=sys.stderr,
+            )
+            continue
         report.append(
             {
                 "name": name,
@@ -154,7 +164,7 @@ def _status(args: argparse.Namespace) -> int:
                     for r in wan.spec.regions
                 },
                 "namespaces": [wan.wan_namespace, *map(wan.namespace, range(wan.world_size))],
-                "counters": wan.counters(),
+                "counters": counters,
             }
         )
         if not args.json:
@@ -164,9 +174,9 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps({"emulators": report, "orphan_namespaces": orphans}, indent=1))
     elif orphans:
         print("namespaces without state (remove with `down --all`): " + ", ".join(orphans))
-    elif not report:
+    elif not report and not broken:
         print("no emulator is up")
-    return 0
+    return 1 if broken else 0
 
 
 def _exec_split(cmd: list[str], name: str) -> tuple[str, list[str]]:

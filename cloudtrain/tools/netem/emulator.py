@@ -226,6 +226,11 @@ class Emulator:
             raise EmulatorError(
                 f"no emulator named {name!r} is up: start one with `cloudtrain netem up`"
             ) from None
+        except (OSError, ValueError) as e:  # e.g. an empty file a crash left
+            raise EmulatorError(
+                f"emulator {name!r}: its state file {_state_path(name)} is unreadable ({e}); "
+                f"`cloudtrain netem down --name {name}` removes what is left of it"
+            ) from None
         wan = cls(
             dict(state["regions"]),
             state["mbit"],
@@ -266,14 +271,19 @@ class Emulator:
             self.relay = relay_ceiling(max(map(self.spec.link_delay_ms, delayed)))
             for region in delayed:
                 self._check_relay_capacity(region, self.spec.mbit[region], self.spec.down(region))
-            busiest = max(self.spec.mbit[g] + self.spec.down(g) for g in delayed)
             self.emulation = DELAY_LINE
-            self.emulation_note = f"{rtt}; {describe_ceiling(self.relay, busiest)}"
+            self.emulation_note = self._relay_note()
         else:
             self.emulation = RATE_ONLY
             self.emulation_note = (
                 f"kernel has no netem qdisc and no /dev/net/tun: {rtt} is NOT emulated"
             )
+
+    def _relay_note(self) -> str:
+        """The delay line's note: the RTT, and its ceiling beside the busiest delayed link."""
+        delayed = self.spec.delayed_regions()
+        busiest = max(self.spec.mbit[g] + self.spec.down(g) for g in delayed)
+        return f"{self.spec.describe_rtt()}; {describe_ceiling(self.relay, busiest)}"
 
     def _check_relay_capacity(self, region: str, up: float, down: float) -> None:
         if self.relay is not None and self.spec.link_delay_ms(region) > 0:
@@ -330,6 +340,8 @@ class Emulator:
         reset = [f"qdisc del dev {dev}{g} root" for dev in ("up", "dn")]
         _batch("tc", self.wan_namespace, reset + _qdisc_lines(spec, self.emulation, g))
         self.spec = spec
+        if self.emulation == DELAY_LINE and self.relay is not None:
+            self.emulation_note = self._relay_note()  # the busiest link may have changed
         self._write_state()
 
     def counters(self) -> dict[str, dict[str, int]]:

@@ -119,11 +119,12 @@ def parse_regions(text: str) -> dict[str, int]:
     regions: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         region, sep, count = part.partition(":")
+        region = region.strip()
         if not sep or not count.strip().isdigit():
             raise ValueError(f"bad region {part!r}: write REGION:RANKS, e.g. us:2,eu:2")
         if region in regions:
             raise ValueError(f"region {region!r} is given twice in {text!r}")
-        regions[region.strip()] = int(count)
+        regions[region] = int(count)
     if not regions:
         raise ValueError("no regions given: write e.g. us:2,eu:2")
     return regions
@@ -133,12 +134,22 @@ def parse_mbit(text: str, regions: Sequence[str]) -> dict[str, float]:
     """`100` -> every region 100; `us=1000,eu=50` -> per region (all must be given). Also for
     per-region RTT shares (`--rtt-ms us=30,eu=130`)."""
     if "=" not in text:
-        return dict.fromkeys(regions, float(text))
+        return dict.fromkeys(regions, _number(text, text))
     rates = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         region, _, value = part.partition("=")
-        rates[region.strip()] = float(value)
+        rates[region.strip()] = _number(value, text)
     return rates
+
+
+def _number(value: str, text: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(
+            f"{text!r}: {value.strip()!r} is not a number; give one for every region (100) or "
+            "one per region (us=1000,eu=50), without units"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,4 +15,5 @@ module "cluster" {
   operator_cidrs            = var.operator_cidrs
   ssh_public_key            = file(pathexpand(var.ssh_public_key_file))
   force_destroy_checkpoints = var.force_destroy_checkpoints
+  checkpoint_bucket_suffix  = var.checkpoint_bucket_suffix
 }

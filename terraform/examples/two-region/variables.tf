@@ -48,3 +48,9 @@ variable "force_destroy_checkpoints" {
   type        = bool
   default     = false
 }
+
+variable "checkpoint_bucket_suffix" {
+  description = "Appended to every checkpoint bucket name (<cluster_name>-<region>-ckpt-<suffix>): bucket names are global, so make it yours (e.g. your account id); empty: none."
+  type        = string
+  default     = ""
+}
