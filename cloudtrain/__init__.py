@@ -33,6 +33,8 @@ _EXPORTS = {
     "CommError": "collectives",
     "CommStats": "stats",
     "ShareSampler": "shares",
+    "RegionLeft": "quorum",
+    "ElasticRefused": "quorum",
 }
 
 __all__ = sorted(_EXPORTS)

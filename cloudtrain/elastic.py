@@ -98,6 +98,11 @@ def _check_launch(options: Any, topo: Topology) -> tuple[str, str]:
             f"elastic: no Lighthouse: set {LIGHTHOUSE_ENV}=http://host:port or "
             "ElasticConfig(lighthouse=...) (`cloudtrain lighthouse` runs one)"
         )
+    if "://" not in address:
+        raise ValueError(
+            f"elastic: {LIGHTHOUSE_ENV}={address!r}: give the Lighthouse's URL, e.g. "
+            "http://10.0.0.5:29510"
+        )
     return region, address
 
 

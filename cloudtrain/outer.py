@@ -647,7 +647,11 @@ class OuterLoop:
     @torch.no_grad()
     def sync_all(self) -> None:
         """Merge what is in flight, then sync every fragment once (all ranks call): every
-        replica then holds the same parameters (e.g. before the final evaluation or export)."""
+        replica then holds the same parameters (e.g. before the final evaluation or export).
+        Nothing in a region that left the run (a spot notice: its pseudo-gradient was handed
+        over, and the others go on without it)."""
+        if self.elastic is not None and self.elastic.stats.left:
+            return
         self.catch_up()  # a region whose last step AMP skipped
         for flight in sorted(self.flights.values(), key=lambda x: x.fragment):
             self._merge(flight)

@@ -234,10 +234,12 @@ def test_a_config_round_trips_through_json(name, tmp_path):
 
 def test_the_config_classes_the_docs_use_are_exported():
     import cloudtrain
-    from cloudtrain import options
+    from cloudtrain import options, quorum
 
     for name in ("OuterConfig", "ElasticConfig", "ControllerOptions"):
         assert getattr(cloudtrain, name) is getattr(options, name) and name in cloudtrain.__all__
+    for name in ("RegionLeft", "ElasticRefused"):  # docs/elastic.md's loop catches RegionLeft
+        assert getattr(cloudtrain, name) is getattr(quorum, name) and name in cloudtrain.__all__
 
 
 def test_a_chains_levels_may_be_a_list():

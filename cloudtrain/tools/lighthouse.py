@@ -54,14 +54,37 @@ def serve(
     )
 
 
+MIN_HEARTBEAT_TIMEOUT_S = 0.5
+"""Regions heartbeat every ElasticConfig.heartbeat_s (0.1 s by default): a timeout under this takes
+live regions as lost between two beats, and each then forms a run of its own."""
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.min_regions < 1 or args.heartbeat_timeout_s <= 0 or args.join_timeout_s <= 0:
-        print("cloudtrain lighthouse: --min-regions >= 1 and positive timeouts", file=sys.stderr)
+    if args.min_regions < 1 or args.join_timeout_s <= 0:
+        print("cloudtrain lighthouse: --min-regions >= 1 and a positive --join-timeout-s",
+              file=sys.stderr)  # fmt: skip
         return 2
-    server = serve(
-        args.bind, args.min_regions, args.heartbeat_timeout_s, args.join_timeout_s,
-        args.quorum_tick_ms,
-    )  # fmt: skip
+    if not args.heartbeat_timeout_s >= MIN_HEARTBEAT_TIMEOUT_S:
+        print(
+            f"cloudtrain lighthouse: --heartbeat-timeout-s {args.heartbeat_timeout_s} is below "
+            f"{MIN_HEARTBEAT_TIMEOUT_S} s: regions heartbeat every 0.1 s (elastic.heartbeat_s), "
+            "and a region missed for a timeout is taken as lost; give several beats (3 is the "
+            "default)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        server = serve(
+            args.bind, args.min_regions, args.heartbeat_timeout_s, args.join_timeout_s,
+            args.quorum_tick_ms,
+        )  # fmt: skip
+    except RuntimeError as e:  # the server's own: a taken port, an address that is not one
+        print(
+            f"cloudtrain lighthouse: cannot serve on --bind {args.bind} ({e}); give HOST:PORT of "
+            "a free port, e.g. 0.0.0.0:29510",
+            file=sys.stderr,
+        )
+        return 2
     print(f"lighthouse {server.address()} min_regions={args.min_regions}", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
