@@ -310,12 +310,17 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> None:
         _set_device(int(env.get("LOCAL_RANK", 0)), backend)
         try:
             dist.init_process_group(backend, init_method="env://", timeout=timeout)
-        except dist.DistNetworkError as e:
-            raise RuntimeError(
-                f"cloudtrain.init: rank {env['RANK']} could not reach the rendezvous at {where} "
-                f"(MASTER_ADDR:MASTER_PORT): {str(e).splitlines()[0].rstrip('.')}; check that rank 0 runs "
-                "there and that the port is open between the hosts"
-            ) from None
+        except dist.DistNetworkError as e:  # the same type, saying which address and why
+            why = str(e).splitlines()[0].rstrip(".")
+            serves = env["RANK"] == "0" and not env.get("TORCHELASTIC_USE_AGENT_STORE")
+            raise type(e)(
+                f"cloudtrain.init: rank 0 could not serve the rendezvous at {where} "
+                f"(MASTER_ADDR:MASTER_PORT): {why}; is the port taken (an earlier run still up)?"
+                if serves
+                else f"cloudtrain.init: rank {env['RANK']} could not reach the rendezvous at "
+                f"{where} (MASTER_ADDR:MASTER_PORT): {why}; check that rank 0 runs there and "
+                "that the port is open between the hosts"
+            ) from e
         return
     store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)

@@ -209,7 +209,6 @@ class CloudDDP(DistributedDataParallel):
         init_sync = ddp_kwargs.pop("init_sync", True)
         # across regions rank 0's parameters and buffers cross each link once, not once a rank
         super().__init__(module, init_sync=init_sync and topo.single_region, **ddp_kwargs)
-        WRAPPED.add(self)
         start_state = self._start_state(ddp_kwargs) if init_sync and not topo.single_region else []
         carried = False
         if probe and topo.links is None:
@@ -262,6 +261,7 @@ class CloudDDP(DistributedDataParallel):
                 "compression; set CLOUDTRAIN_REGION per host (or regions='per-rank') to compress"
             )
         log.info("cloudtrain: %s; config %s", topo.describe(), config.codec)
+        WRAPPED.add(self)  # made: fully_shard refuses its modules from now on
 
     def _elastic_region(
         self, config: CompressionConfig, topo: Topology, optimizer: torch.optim.Optimizer

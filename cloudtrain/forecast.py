@@ -520,7 +520,9 @@ def predict_rungs(
     ladder = [("none", None), *dict.fromkeys(r for r in rungs if r[0] != "none")]
     at = [ladder.index(r) if r[0] != "none" else 0 for r in rungs]
     if not any(at):
-        return predict_ddp(s, 4, hsdp=sharded)
+        return predict_ddp(
+            s, 4, hsdp=sharded, units=transformer_blocks(s.numel) if sharded else None
+        )
     model = s.cost_model(ladder)
     zstd = list(zstd) or [False] * len(at)
     ratios = [

@@ -360,12 +360,6 @@ class ElasticConfig:
             raise ValueError(f"elastic.spot={self.spot!r} must be True or False")
         _number("elastic.spot_poll_s", self.spot_poll_s, 0, 3600, open_lo=True)
         _number("elastic.heartbeat_timeout_s", self.heartbeat_timeout_s, 0, 3600, open_lo=True)
-        if 0 < self.start_regions < self.min_regions:
-            raise ValueError(
-                f"elastic.start_regions={self.start_regions} is below "
-                f"elastic.min_regions={self.min_regions}: the first regions could never train; "
-                f"set start_regions to at least {self.min_regions}, or 0 (min_regions)"
-            )
         if self.heartbeat_s >= self.heartbeat_timeout_s:
             raise ValueError(
                 f"elastic.heartbeat_s={self.heartbeat_s} is not below "

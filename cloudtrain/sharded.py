@@ -133,10 +133,11 @@ class ShardedComm(UnitExchange):
         self._queued = False
         _LIVE.add(self)
 
-    def adopt(self, config: CompressionConfig) -> None:
+    def check_adoptable(self, config: CompressionConfig) -> None:
         """A later fully_shard call's config (the root's, say), where the earlier calls gave
-        none: it applies to the whole model if it names the same regions and timeout, which
-        made the mesh the earlier calls sharded over."""
+        none, applies to the whole model (`adopt`) if it names the same regions and timeout,
+        which made the mesh the earlier calls sharded over; else this raises. A model whose
+        mesh is not the config's cannot go on: the next fully_shard call starts another."""
         if self.given:
             raise ValueError(
                 f"cloudtrain.fully_shard: config {config.codec!r} differs from the one an earlier "
@@ -145,6 +146,8 @@ class ShardedComm(UnitExchange):
             )
         mesh_of = (repr(config.regions), config.timeout_s)
         if self.ready or mesh_of != (repr(self.config.regions), self.config.timeout_s):
+            if _OPEN and _OPEN[0] is self:
+                _OPEN.clear()
             raise ValueError(
                 f"cloudtrain.fully_shard: config (regions={config.regions!r}, timeout_s="
                 f"{config.timeout_s}) is given after this model's first fully_shard call, which "
@@ -152,6 +155,9 @@ class ShardedComm(UnitExchange):
                 + (" and ran a forward" if self.ready else "")
                 + "; give config= to the first call (the first block's), or to every call"
             )
+
+    def adopt(self, config: CompressionConfig) -> None:
+        """The whole model's config from now on (check_adoptable said it may be)."""
         self.config, self.codecs, self.given = config, Codecs(config), True
 
     @classmethod
@@ -504,12 +510,9 @@ def fully_shard(
     comm = _OPEN[0] if _OPEN else None
     if comm is not None and not comm.joins(module):
         comm = None  # another model: sharded after this one's root, and not around it
-    if comm is not None and config is not None and config != comm.config:
-        try:
-            comm.adopt(config)
-        except ValueError:
-            _OPEN.clear()  # this model cannot go on: the next call starts another
-            raise
+    adopting = comm is not None and config is not None and config != comm.config
+    if adopting:
+        comm.check_adoptable(config)
     fresh = comm is None
     if comm is None:
         comm = ShardedComm(config or CompressionConfig.resolve(AUTO), given=config is not None)
@@ -537,6 +540,8 @@ def fully_shard(
     for _, p in new:
         _REPLACED[id(p)] = p
     torch_fully_shard(module, mesh=comm.mesh["shard"], **fsdp_kwargs)
+    if adopting:  # after every check: a call refused changes nothing
+        comm.adopt(config)
     comm.add(module)
     if fresh:  # the model's later fully_shard calls join it
         _OPEN[:] = [comm]

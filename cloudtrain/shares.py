@@ -32,6 +32,7 @@ rank, saved with the controller's state.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -208,7 +209,11 @@ class ShareSampler(torch.utils.data.Sampler[list[int]]):
                 f"ShareSampler: dataset is a {type(dataset).__name__} without a length; give a "
                 "map-style dataset (len() and indexing) or its number of samples"
             )
-        if not isinstance(shuffle, bool) or isinstance(seed, bool) or not isinstance(seed, int):
+        if (
+            not isinstance(shuffle, bool)
+            or isinstance(seed, bool)
+            or not isinstance(seed, numbers.Integral)
+        ):
             raise ValueError(
                 f"ShareSampler: shuffle={shuffle!r} must be True or False and seed={seed!r} an int"
             )

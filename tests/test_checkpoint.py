@@ -393,6 +393,11 @@ def test_bad_uris(tmp_path) -> None:
         Checkpointer(str(tmp_path), keep_last="3")  # a TypeError before
     with pytest.raises(CheckpointError, match="step='7' must be an int"):
         Checkpointer(str(tmp_path / "s")).save("7")
+    import numpy as np
+
+    numpy_step = Checkpointer(str(tmp_path / "n"), keep_last=np.int64(2))
+    numpy_step.save(np.int64(4), comm_state={"seed": 0})  # the manifest's JSON takes it
+    assert numpy_step.latest_step() == 4 and numpy_step.keep_last == 2
     with pytest.raises(ValueError, match="at least 5 MiB"):
         S3Config(multipart_chunksize=1024)
     for empty in ("", "  ", None):  # "" wrote into the working directory

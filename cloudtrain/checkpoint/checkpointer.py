@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import operator
 import os
 import pickle
 import re
@@ -98,7 +99,7 @@ def check_layout(layout: list[tuple[str, str | None, bool, bool]]) -> None:
 
 
 def _is_int(value: Any) -> bool:
-    """An int (a numpy or torch integer too), not a bool."""
+    """An int (a numpy integer too, which operator.index makes one), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -136,7 +137,7 @@ class Checkpointer:
                 f"compression_level={compression_level!r}: a zstd level 1-22 (3 is fast and "
                 "near the best ratio for weights), or None for uncompressed files"
             )
-        self.keep_last = keep_last
+        self.keep_last = None if keep_last is None else operator.index(keep_last)
         self.compression_level = compression_level
         self.timeout_s = timeout_seconds(timeout_s)
         self.s3 = s3 or S3Config()
@@ -173,6 +174,7 @@ class Checkpointer:
         """
         if not _is_int(step) or step < 0:
             raise CheckpointError(f"step={step!r} must be an int >= 0 (the training step)")
+        step = operator.index(step)  # a numpy integer: the manifest's JSON takes an int
         files = dict(files or {})
         for name in files:
             if not _OWN_FILE.match(name) or name in _RESERVED or _RANK_FILE.match(name):

@@ -54,9 +54,9 @@ def serve(
     )
 
 
-MIN_HEARTBEAT_TIMEOUT_S = 0.5
-"""Regions heartbeat every ElasticConfig.heartbeat_s (0.1 s by default): a timeout under this takes
-live regions as lost between two beats, and each then forms a run of its own."""
+MIN_HEARTBEAT_TIMEOUT_S = 0.2
+"""Two of the regions' default heartbeats (ElasticConfig.heartbeat_s, 0.1 s): a timeout under
+this takes live regions as lost between beats, and each then forms a run of its own."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.heartbeat_timeout_s >= MIN_HEARTBEAT_TIMEOUT_S:
         print(
             f"cloudtrain lighthouse: --heartbeat-timeout-s {args.heartbeat_timeout_s} is below "
-            f"{MIN_HEARTBEAT_TIMEOUT_S} s: regions heartbeat every 0.1 s (elastic.heartbeat_s), "
-            "and a region missed for a timeout is taken as lost; give several beats (3 is the "
-            "default)",
+            f"{MIN_HEARTBEAT_TIMEOUT_S} s: regions heartbeat every elastic.heartbeat_s (0.1 s "
+            "by default), and a region missed for a timeout is taken as lost; give several "
+            "beats' time (the default is 3 s)",
             file=sys.stderr,
         )
         return 2

@@ -31,7 +31,7 @@ def _run_probe(as_json: bool) -> int:
 
     try:
         init()
-    except (RuntimeError, ValueError) as e:  # the launch's environment: named by init
+    except (RuntimeError, ValueError, dist.DistNetworkError) as e:  # named by init
         print(f"cloudtrain probe: {e}", file=sys.stderr)
         return 2
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))

@@ -103,6 +103,10 @@ GOODPUT = f"{__package__}.goodput"
 """The module measure_mbit runs at both ends (by name: importing it here would run it twice)."""
 
 
+TCP_NOTE = "; TCP settings the ranks lack"
+"""Where the emulation's note says the ranks' namespaces miss TCP settings (Emulator._build)."""
+
+
 class Emulator:
     """One emulated multi-region cluster. Use as a context manager, or up()/down()."""
 
@@ -221,6 +225,17 @@ class Emulator:
     def attach(cls, name: str = DEFAULT_NAME) -> Emulator:
         """The emulator `name` that is up now (made by another process, e.g. the CLI)."""
         try:
+            return cls._attach(name)
+        except (KeyError, TypeError) as e:  # a state file of another form
+            raise EmulatorError(
+                f"emulator {name!r}: its state file {_state_path(name)} is not of this "
+                f"release's form ({type(e).__name__}: {e}); `cloudtrain netem down --name "
+                f"{name}` removes what is left of it"
+            ) from None
+
+    @classmethod
+    def _attach(cls, name: str) -> Emulator:
+        try:
             state = json.loads(_state_path(name).read_text())
         except FileNotFoundError:
             raise EmulatorError(
@@ -308,7 +323,7 @@ class Emulator:
             missed.update(_sysctl(self.namespace(rank), WAN_TCP))  # as the Terraform's hosts boot
         if missed:  # the emulator still works; its links may read slower than asked
             self.emulation_note += (
-                f"; TCP settings the ranks lack ({'; '.join(sorted(missed))}): a connection "
+                f"{TCP_NOTE} ({'; '.join(sorted(missed))}): a connection "
                 "may be held back by its own window or congestion control, not by the link"
             )
 
@@ -341,7 +356,9 @@ class Emulator:
         _batch("tc", self.wan_namespace, reset + _qdisc_lines(spec, self.emulation, g))
         self.spec = spec
         if self.emulation == DELAY_LINE and self.relay is not None:
-            self.emulation_note = self._relay_note()  # the busiest link may have changed
+            # the busiest link may have changed; what follows it (the TCP settings) stays
+            _, sep, tcp = self.emulation_note.partition(TCP_NOTE)
+            self.emulation_note = self._relay_note() + sep + tcp
         self._write_state()
 
     def counters(self) -> dict[str, dict[str, int]]:
