@@ -37,6 +37,7 @@ from .options import (  # noqa: F401  (the parts' options, importable from here 
     ElasticConfig,
     OuterConfig,
     _number,
+    as_level,
     read_json,
 )
 
@@ -163,8 +164,7 @@ class CompressionConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.codec, str) or not self.codec.strip():
             raise ValueError(f"codec={self.codec!r}: name a codec, e.g. 'topk', or use 'auto'")
-        if isinstance(self.level, list):  # a chain's levels, as JSON gives them: a tuple
-            object.__setattr__(self, "level", tuple(self.level))
+        object.__setattr__(self, "level", as_level(self.level))
         if self.codec != AUTO:
             codec = self.make_codec()
             try:

@@ -38,6 +38,12 @@ def read_json(what: str, path: str | Path) -> Any:
         raise ValueError(f"{what} {path}: not JSON ({e})") from None
 
 
+def as_level(level: Any) -> Any:
+    """A codec level as a config holds it: a chain's levels, as JSON gives them (a list), become
+    a tuple; any other level is itself."""
+    return tuple(level) if isinstance(level, list) else level
+
+
 def _number(
     name: str, value: Any, lo: float, hi: float, *, integer: bool = False, open_lo: bool = False
 ) -> None:
@@ -143,7 +149,7 @@ class ControllerOptions:
                     f"ladder: rung {rung!r} is not a (codec, level) pair, e.g. ('quant', 4) or "
                     "('topk>quant', (0.01, 8))"
                 )
-            name, level = rung[0], tuple(rung[1]) if isinstance(rung[1], list) else rung[1]
+            name, level = rung[0], as_level(rung[1])
             try:
                 make_codec(name).check_level(level)
             except ValueError as e:  # an unknown codec or a bad level
@@ -251,8 +257,7 @@ class OuterConfig:
                 )
         if not isinstance(self.codec, str) or not self.codec.strip():
             raise ValueError(f"outer.codec={self.codec!r}: name a codec, e.g. 'quant', or 'auto'")
-        if isinstance(self.level, list):  # a chain's levels, as JSON gives them: a tuple
-            object.__setattr__(self, "level", tuple(self.level))
+        object.__setattr__(self, "level", as_level(self.level))
         if self.codec != AUTO:
             try:
                 make_codec(self.codec).check_level(self.level)

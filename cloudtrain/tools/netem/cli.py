@@ -135,15 +135,19 @@ def _status(args: argparse.Namespace) -> int:
     names = [args.name] if args.name else _state_names()
     report, broken = [], []
     for name in names:
+        # an emulator whose state or namespaces are gone is named, and the others listed
         try:
-            wan = Emulator.attach(name)
-            counters = wan.counters()
-        except EmulatorError as e:  # its namespaces gone, or its state unreadable: the others
+            wan = Emulator.attach(name)  # its errors say how to clean up
+        except EmulatorError as e:
             broken.append(name)
-            print(
-                f"cloudtrain netem: {e} (`cloudtrain netem down --name {name}` cleans it up)",
-                file=sys.stderr,
-            )
+            print(f"cloudtrain netem: {e}", file=sys.stderr)
+            continue
+        try:
+            counters = wan.counters()
+        except EmulatorError as e:  # its namespaces are gone
+            broken.append(name)
+            down = f"`cloudtrain netem down --name {name}` cleans it up"
+            print(f"cloudtrain netem: {e} ({down})", file=sys.stderr)
             continue
         report.append(
             {
