@@ -67,6 +67,10 @@ def _child(fn, rank, world, port, env, args, results) -> None:
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
+        # the result is written out before the group goes: once this rank's sockets close, the
+        # others fail, and a failure here must reach run_ranks before theirs
+        results.close()
+        results.join_thread()
         try:
             import torch.distributed as dist
 
@@ -74,6 +78,41 @@ def _child(fn, rank, world, port, env, args, results) -> None:
                 dist.destroy_process_group()
         except Exception:
             pass
+
+
+OTHERS_S = 10.0
+"""After a rank fails, how long run_ranks waits for the others' outcomes: the rank whose
+failure comes first is often one that lost its peer ("Connection reset by peer"), and the
+cause is another rank's error or death."""
+
+
+def _exit(p: Any) -> str:
+    code = p.exitcode
+    if code is not None and code < 0:
+        import signal
+
+        return f"signal {signal.Signals(-code).name}"
+    return f"code {code}"
+
+
+def _with_others(first: RankFailed, out: dict[int, Any], procs: list[Any]) -> RankFailed:
+    """`first`'s failure, with every other rank's outcome: its error's last lines, how its
+    process ended, or that it is still running."""
+    lines = []
+    for r, p in enumerate(procs):
+        if r == first.rank:
+            continue
+        got = out.get(r)
+        if isinstance(got, RankFailed):
+            tail = "\n    ".join(got.text.strip().splitlines()[-3:])
+            lines.append(f"rank {r} failed too:\n    {tail}")
+        elif r in out:
+            lines.append(f"rank {r} finished")
+        elif p.exitcode is not None:
+            lines.append(f"rank {r} exited with {_exit(p)} and no result")
+        else:
+            lines.append(f"rank {r} still running")
+    return RankFailed(first.rank, first.text + "\nthe other ranks:\n" + "\n".join(lines))
 
 
 def _load(data: bytes) -> Any:
@@ -106,27 +145,30 @@ def run_ranks(
         p.start()
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
+    failed: RankFailed | None = None
     try:
         while len(out) < world:
+            if failed is not None and time.monotonic() > deadline:
+                raise _with_others(failed, out, procs)
             try:
                 rank, ok, value = results.get(timeout=0.5)
             except queue.Empty:
                 for r, p in enumerate(procs):  # a rank that died without a word
                     if r not in out and p.exitcode is not None and results.empty():
-                        out[r] = RankFailed(
-                            r, f"process exited with code {p.exitcode} and no result"
-                        )
-                        if not allow_failures:
-                            raise out[r] from None
-                if time.monotonic() > deadline:
+                        out[r] = RankFailed(r, f"process exited with {_exit(p)} and no result")
+                        if failed is None and not allow_failures:
+                            failed, deadline = out[r], time.monotonic() + OTHERS_S
+                if failed is None and time.monotonic() > deadline:
                     missing = sorted(set(range(world)) - set(out))
                     raise AssertionError(
                         f"ranks {missing} did not finish within {timeout}s"
                     ) from None
                 continue
             out[rank] = _load(value) if ok else RankFailed(rank, value)
-            if not ok and not allow_failures:
-                raise out[rank]
+            if not ok and failed is None and not allow_failures:
+                failed, deadline = out[rank], time.monotonic() + OTHERS_S
+        if failed is not None:
+            raise _with_others(failed, out, procs)
     finally:
         for p in procs:
             p.join(timeout=5)
