@@ -329,7 +329,7 @@ class ElasticRegion:
         t0 = time.perf_counter()
         view = self._until_committed(-1, 0)
         self._write_scalars()
-        log.warning(
+        self.members.say(
             "cloudtrain elastic: region %s joined in %.1f s at step %s (regions %s)",
             self.region, time.perf_counter() - t0, self.replica.step, list(view.regions),
         )  # fmt: skip
@@ -357,7 +357,7 @@ class ElasticRegion:
         self.stats.left = True
         self.close()
         step = self.replica.step
-        log.warning(
+        self.members.say(
             "cloudtrain elastic: region %s leaves after step %s (spot notice)%s",
             self.region, step, handed,
         )  # fmt: skip

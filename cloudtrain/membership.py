@@ -128,6 +128,11 @@ class Membership:
         dist.broadcast_object_list(got, src=0, group=group)
         self.store_address = got[0]
 
+    def say(self, message: str, *args: Any) -> None:
+        """Log a warning of the region's (the same on each of its ranks) once: from its first
+        rank; the others at debug level."""
+        (log.warning if self.local == 0 else log.debug)(message, *args)
+
     def _beat(self, client: Any) -> None:
         failing = False
         while not self._stop.is_set():
@@ -148,10 +153,11 @@ class Membership:
             self._heartbeat = None
 
     def ask(self, step: int, fragment: int, commits: int, digest: Callable[[], int],
-            group_key: str) -> View | None:  # fmt: skip
+            group_key: str, quiet: bool = False) -> View | None:  # fmt: skip
         """Rank 0 asks the Lighthouse; every rank of the region gets the same View (None: no
-        quorum in time - a pause). The cross groups are offered for reuse only where every
-        rank of the region still holds them (`group_key`, agreed by the caller)."""
+        quorum in time - a pause, logged unless `quiet`). The cross groups are offered for reuse
+        only where every rank of the region still holds them (`group_key`, agreed by the
+        caller)."""
         view = None
         if self.local == 0:
             data = {
@@ -182,10 +188,16 @@ class Membership:
                 view = decide([Member.of(p) for p in q.participants], q.quorum_id, key,
                               self.replica_id, created)  # fmt: skip
             except Exception as e:
-                log.warning(
-                    "cloudtrain elastic: region %s paused at step %s: no quorum within %g s (%s)",
-                    self.region, step, self.options.quorum_timeout_s, str(e).splitlines()[0],
-                )  # fmt: skip
+                if not quiet:
+                    others = [r for r in self.last if r != self.region]
+                    log.warning(
+                        "cloudtrain elastic: region %s paused at step %s: no quorum within %g s "
+                        "(%s)%s", self.region, step, self.options.quorum_timeout_s,
+                        str(e).splitlines()[0],
+                        f"; the last sync's other regions: {others} (one that stopped "
+                        "heartbeating is lost: the Lighthouse forms no quorum below its "
+                        "--min-regions)" if others else "",
+                    )  # fmt: skip
         got = [view]
         dist.broadcast_object_list(got, src=0, group=self.group)
         return got[0]
@@ -193,10 +205,14 @@ class Membership:
     def quorum(self, step: int, fragment: int, commits: int, digest: Callable[[], int],
                group_key: str) -> View:  # fmt: skip
         """A view with at least min_regions regions in it; waits (a pause) until there is one."""
-        t0 = time.perf_counter()
+        t0 = said = time.perf_counter()
         paused = False
         while True:
-            view = self.ask(step, fragment, commits, digest, group_key)
+            # paused, a failed ask is logged once a quorum timeout (a Lighthouse that refuses
+            # connections fails at once, every second)
+            quiet = paused and time.perf_counter() - said < self.options.quorum_timeout_s
+            said = said if quiet else time.perf_counter()
+            view = self.ask(step, fragment, commits, digest, group_key, quiet)
             if view is not None and self.region in view.left:
                 return view  # it leaves: the caller says so
             if view is not None and view.me < 0:
@@ -214,7 +230,7 @@ class Membership:
             if not paused:
                 self.stats.pauses += 1
                 have = "no quorum" if view is None else f"regions {list(view.regions)}"
-                log.warning(
+                self.say(
                     "cloudtrain elastic: region %s pauses at step %s: %s, at least %d needed",
                     self.region, step, have, need,
                 )  # fmt: skip
@@ -222,9 +238,7 @@ class Membership:
             time.sleep(min(1.0, self.options.quorum_timeout_s))
         if paused:
             self.stats.paused_s += time.perf_counter() - t0
-            log.warning(
-                "cloudtrain elastic: region %s resumes: %s", self.region, list(view.regions)
-            )
+            self.say("cloudtrain elastic: region %s resumes: %s", self.region, list(view.regions))
         for _, why in view.refused:
             self.stats.refused.append(why)
         return view
@@ -247,7 +261,7 @@ class Membership:
         self.stats.left_regions += list(view.left)
         self.stats.joined += joined
         self.stats.changes += 1
-        log.warning(
+        self.say(
             "cloudtrain elastic: region %s at step %s: regions %s (lost %s, left %s, joining %s; "
             "contributors %s) at %.3f",
             self.region, view.step, list(regions), lost, list(view.left), joined,

@@ -487,6 +487,35 @@ def test_below_min_regions_the_survivor_pauses_until_the_region_is_back(tmp_path
     assert rejoined.Scalars("elastic/recovery_bytes_received")[-1].value > 0
 
 
+@pytest.mark.timeout(180)
+def test_no_quorum_names_the_last_syncs_regions_and_an_outage_logs_once_a_timeout(tmp_path):
+    """On loopback, 2 regions x 2 ranks, min_regions 2 on the Lighthouse too: r1 SIGKILLed, the
+    Lighthouse forms no quorum for r0, whose pause line names r1 (the last sync's other region);
+    with the Lighthouse killed as well, r0's failed asks are logged once a quorum timeout (3 s),
+    not at every retry; the region's lines come from its first rank only."""
+    net = chaos.LocalNet({"r0": 2, "r1": 2, "lh": 1})
+    args = worker_args(400, 0.05, **{"min-regions": 2, "quorum-timeout": 3})
+    with cluster_on(net, ["r0", "r1"], args, tmp_path, min_regions=2) as cluster:
+        r0, r1 = cluster.start("r0"), cluster.start("r1")
+        wait_until(lambda: r1.step >= 20, 90, "r1 at step 20")
+        r1.kill()
+        named = "the last sync's other regions: ['r1']"
+        wait_until(lambda: named in logs(tmp_path, "r0"), 60, "a pause naming r1")
+        cluster.lighthouse.kill()
+        cluster.lighthouse.wait()
+        time.sleep(2)  # (an ask in flight ends)
+        before = logs(tmp_path, "r0").count("no quorum within")
+        time.sleep(9)
+        asked = logs(tmp_path, "r0").count("no quorum within") - before
+        assert 1 <= asked <= 4, f"{asked} pause lines in 9 s with a 3 s quorum timeout"
+        held = r0.step
+    assert r0.step == held
+    first = logs(tmp_path, "r0")
+    second = "".join(p.read_text() for p in tmp_path.glob("r0-*-r1.log"))
+    assert "pauses at step" in first and "regions ['r0', 'r1']" in first
+    assert "pauses at step" not in second and "regions ['r0', 'r1']" not in second, second
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["outer", "step"])
 def test_chaos_random_kills_and_restarts_end_with_equal_replicas(tmp_path, mode) -> None:
