@@ -354,10 +354,12 @@ def _predict(
         hsdp = run.method == "hsdp"
         step, sent = predict_ddp(setting, 2 if run.method == "fp16" else 4, hsdp, run.units)
     elif run.outer_schedule is not None:
-        h, rungs = run.outer_schedule
+        h, rungs, *streaming = run.outer_schedule  # (a report without them: 1 fragment, 0)
+        fragments, overlap = streaming or (1, 0)
         intra = stages.get("allreduce", 0.0)
         setting = Setting(run.numel, world, per_owner, shards, compute_s, intra, handshake=True)
-        step, sent = predict_outer(setting, h, [(r[0], _level(r[1])) for r in rungs])
+        sends = [(r[0], _level(r[1])) for r in rungs]
+        step, sent = predict_outer(setting, h, sends, fragments=fragments, overlap=overlap)
         steps, warmup = counted
         share = (steps // h - warmup // h + 1) * h / (steps - warmup)  # syncs run / syncs per H
         base = compute_s + intra if ddp is None else _mean_ms(ddp, warmup) / 1000

@@ -222,7 +222,10 @@ def _result(args: argparse.Namespace, ddp: Any, trainer: Any, step_times, curve,
             sched = outer.schedule
             codecs = ", ".join(f"{n}:{lv}" for n, lv in sched.rungs)
             result["plans"] = [(outer.step, [f"every {sched.sync_every} steps, {codecs}"])]
-            result["outer_schedule"] = [sched.sync_every, [list(r) for r in sched.rungs]]
+            result["outer_schedule"] = [
+                sched.sync_every, [list(r) for r in sched.rungs],
+                outer.outer.fragments, outer.outer.overlap,
+            ]  # fmt: skip
             result["staleness"] = [outer.outer.overlap]
         elif comm.controller is not None:
             result["links"] = stats.controller["links"]
