@@ -82,15 +82,26 @@ def _identity(module: torch.nn.Module, config: CompressionConfig) -> dict[str, A
     }
 
 
-def check_agreement(module: torch.nn.Module, config: CompressionConfig) -> list[str | None]:
+def check_agreement(
+    module: torch.nn.Module, config: CompressionConfig, problem: ValueError | None = None
+) -> list[str | None]:
     """All ranks compare model and config before the first step; a difference raises, named.
     Returns every rank's region name as it knows it (topology.local_region_name): gathered in
-    the same collective, so that Topology.discover needs no gathering of its own."""
+    the same collective, so that Topology.discover needs no gathering of its own. `problem`:
+    what a check of this rank's alone found, raised on every rank (else only this one would
+    raise, and the others would meet a closed connection in their next collective)."""
     world = dist.get_world_size()
-    mine = (_identity(module, config), local_region_name(config, dist.get_rank(), world))
+    mine = (
+        _identity(module, config),
+        local_region_name(config, dist.get_rank(), world),
+        None if problem is None else str(problem),
+    )
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
-    everyone = [identity for identity, _ in gathered]
+    for rank, (_, _, found) in enumerate(gathered):
+        if found is not None:
+            raise ValueError(found if rank == dist.get_rank() else f"on rank {rank}: {found}")
+    everyone = [identity for identity, _, _ in gathered]
     ref = everyone[0]
     for rank, other in enumerate(everyone):
         if other == ref:
@@ -121,7 +132,7 @@ def check_agreement(module: torch.nn.Module, config: CompressionConfig) -> list[
                 f"rank {rank}'s model's buffers differ from rank 0's: {which} (name, shape, "
                 "dtype); every rank starts from rank 0's buffers, so they must match"
             )
-    return [name for _, name in gathered]
+    return [name for _, name, _ in gathered]
 
 
 def _first_difference(ref: list[Any], other: list[Any]) -> str:

@@ -232,8 +232,12 @@ class ShardedComm(UnitExchange):
         self.root = root
         self.names = {id(p): name for name, p in root.named_parameters()}
         try:
-            check_units(root, self.modules)
-            check_agreement(root, self.config)
+            try:
+                check_units(root, self.modules)
+                problem = None
+            except ValueError as e:
+                problem = e
+            check_agreement(root, self.config, problem)
             check_uniform(self.units, self.names, self.topo)
         except Exception:
             self.ready = False

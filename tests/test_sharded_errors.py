@@ -1,7 +1,8 @@
 """cloudtrain.fully_shard's errors and failures, on 2 regions x 2 ranks over gloo: bad inputs
 (a mesh that is not the regions', several dtypes in one unit, an optimizer built before
-sharding, units sharded differently in the two regions, a unit left to torch's own fully_shard,
-a config given after the mesh was made, CloudDDP around a sharded model or inside one)
+sharding, units sharded differently in the two regions, a unit left to torch's own fully_shard
+in every region or in one, a config given after the mesh was made, CloudDDP around a sharded
+model or inside one)
 raise a ValueError naming the fix, on every rank, before the first step's exchange; NaN in one
 rank's gradient raises on every rank ("raise") or reaches every rank without poisoning the
 residuals ("pass"); stats() counts what crossed; a killed peer is a CommError.
@@ -21,8 +22,8 @@ from models import batch, loss_of, make_model
 from test_sharded import REGIONS, shard
 
 BAD = (
-    "mesh", "dtypes", "optimizer", "units", "torch_unit", "late_config", "ddp_around",
-    "shard_inside", "twice",
+    "mesh", "dtypes", "optimizer", "units", "torch_unit", "torch_unit_us", "late_config",
+    "ddp_around", "shard_inside", "twice",
 )  # fmt: skip
 
 
@@ -49,10 +50,13 @@ def _bad(kind, rank):
         elif kind == "units":  # region "eu" leaves out the middle block
             shard(model, cfg, (0, 2, 4) if rank < 2 else (0, 4))
             loss_of(model, *batch(rank, 0)).backward()
-        elif kind == "torch_unit":
+        elif kind in ("torch_unit", "torch_unit_us"):  # in every region, or in "us" only
             from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-            torch_fully_shard(model[2], mesh=cloudtrain.device_mesh(cfg)["shard"])
+            if kind == "torch_unit" or rank < 2:
+                torch_fully_shard(model[2], mesh=cloudtrain.device_mesh(cfg)["shard"])
+            else:
+                cloudtrain.fully_shard(model[2], config=cfg)
             cloudtrain.fully_shard(model[0], config=cfg)
             cloudtrain.fully_shard(model, config=cfg)
             loss_of(model, *batch(rank, 0)).backward()
@@ -128,6 +132,7 @@ MESSAGES = {
     "optimizer": "built before cloudtrain.fully_shard",
     "units": "shards the model differently",
     "torch_unit": "was sharded by torch's fully_shard",
+    "torch_unit_us": "was sharded by torch's fully_shard",
     "late_config": "give config= to the first call",
     "ddp_around": "Shard it with cloudtrain.fully_shard alone",
     "shard_inside": "this module is inside a CloudDDP",
