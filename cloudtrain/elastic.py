@@ -400,6 +400,13 @@ class ElasticRegion:
             return self._failed(view, why), cross, False, changed
         loaded = view.me in view.joiners
         if loaded:
+            me, source = view.members[view.me], view.members[view.sources[view.me]]
+            if me.step >= 0 and me.rank_key == source.rank_key:  # (quorum._agreeing)
+                self.members.say(
+                    "cloudtrain elastic: region %s trained apart from %s (the same syncs and "
+                    "step, another digest): it takes %s's state, its own since they parted is "
+                    "dropped", self.region, source.region, source.region,
+                )  # fmt: skip
             state, self._received = self._received, None
             self.commits = self.transfer.load(view, state)
             changed = True
@@ -660,7 +667,8 @@ class ElasticSteps(ElasticRegion):
     parameters, buffers, optimizer state, step and bucket layouts; its residuals start at
     zero). Every quorum whose groups changed points the hook at the present regions
     (`CommState.use_regions`), with "auto" under a controller made for them (`_controller`);
-    one whose membership changed checks their parameters' digests; every quorum makes their
+    the regions at a quorum contribute where they agree on their parameters' digests (two
+    parts that trained apart: the others heal from the part most share); every quorum makes their
     buffers equal."""
 
     def __init__(self, config: Any, topo: Topology, replica: Any, identity: dict[str, str]) -> None:
@@ -798,20 +806,10 @@ class ElasticSteps(ElasticRegion):
         self._generation += 1
 
     def _verify_change(self, view: View, cross: Any) -> None:
-        """After a quorum whose membership changed: the present regions' parameters compared,
-        with no message - the contributors announced their digests in the quorum (taken between
-        the same steps), and a joiner's state was checked against its source's on loading."""
-        from .hook import ReplicaMismatch
-
-        digests = {view.members[i].digest for i in view.contributors}
-        if len(digests) > 1:
-            seen = ", ".join(
-                f"{view.members[i].region} {view.members[i].digest:#x}" for i in view.contributors
-            )
-            raise ReplicaMismatch(
-                f"cloudtrain elastic: at step {view.step} the parameter sets differ between the "
-                f"regions: {seen}"
-            )
+        """After a quorum whose membership changed, nothing to compare (no message): the
+        contributors announced the same digest (taken between the same steps; the quorum chose
+        them so: cloudtrain.quorum._agreeing), and a joiner's state was checked against its
+        source's on loading."""
 
     def verify(self) -> None:
         """CloudDDP.verify_replicas() in a per-step elastic run: the present regions' parameters'

@@ -142,8 +142,9 @@ def decide(
     step) runs, ties to the identity most of them share, then to the smallest region name; a
     participant of another identity is refused. Of two claiming one region, the more advanced
     stays (ties: the smaller replica id). If some members are at a sync, the contributors are
-    those of them with the most syncs committed; else (all are starting) those equal to the most
-    advanced (syncs and outer copy). Everyone else joins, each from the contributor with the
+    those of them with the most syncs committed and the latest step, and of those the ones that
+    agree on the digest (`_agreeing`); else (all are starting) those equal to the most advanced
+    (syncs and outer copy). Everyone else joins, each from the contributor with the
     fastest measured link to it (in turn where none is measured: `_sources`). The
     cross groups are reused where every member holds the same ones, made for the same members
     (`key` and their names otherwise)."""
@@ -182,7 +183,7 @@ def decide(
     syncing = [i for i, m in enumerate(members) if m.step >= 0]
     if syncing:
         best = max(members[i].rank_key for i in syncing)
-        contributors = tuple(i for i in syncing if members[i].rank_key == best)
+        contributors = _agreeing([i for i in syncing if members[i].rank_key == best], members)
         step, fragment = best[1], members[contributors[0]].fragment
     else:
         lead = max(range(len(members)), key=lambda i: (members[i].commits, -i))
@@ -198,6 +199,19 @@ def decide(
         quorum_id, key, members, contributors, joiners, sources, tuple(refused), step,
         fragment, index, left, quiet, created,
     )  # fmt: skip
+
+
+def _agreeing(candidates: Sequence[int], members: Sequence[Member]) -> tuple[int, ...]:
+    """Of the members equally advanced, those whose digest most of them share (ties: the one of
+    the smallest region name): equal syncs committed and equal steps with another outer copy
+    (or parameters) mean two parts of the run trained apart - a partition, min_regions 1 -
+    and the others take the chosen part's state as joiners, where averaging the two would
+    fail the replica check."""
+    by_digest: dict[int, list[int]] = {}
+    for i in candidates:
+        by_digest.setdefault(members[i].digest, []).append(i)
+    chosen = min(by_digest.values(), key=lambda g: (-len(g), min(members[i].region for i in g)))
+    return tuple(chosen)
 
 
 def spare_key(parent: str, lost: str, regions: Sequence[str]) -> str:

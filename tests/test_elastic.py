@@ -56,6 +56,21 @@ def test_decide_refuses_another_model_and_a_second_claim_on_a_region() -> None:
     assert "region 'a' is in the run already" in why["a:y"]
 
 
+def test_decide_parts_that_trained_apart_heal_from_the_part_most_agree_on() -> None:
+    """Equally advanced regions with other digests trained apart (a partition with
+    min_regions 1): the digest most of them share contributes (ties: the smallest region
+    name's), the others join from it, where averaging them all failed the replica check."""
+    a, b, c = (
+        dataclasses.replace(member(r), digest=d) for r, d in zip("abc", (5, 9, 9), strict=True)
+    )
+    view = decide([a, b, c], 1, "k", "a:x")
+    assert view.contributors == (1, 2) and view.joiners == (0,) and view.step == 30
+    view = decide([a, b], 1, "k", "b:x")
+    assert view.contributors == (0,) and view.joiners == (1,) and view.sources == {1: 0}
+    view = decide([b, c], 1, "k", "b:x")  # agreeing: both contribute, as before
+    assert view.contributors == (0, 1) and not view.joiners
+
+
 def test_decide_all_starting_contribute_when_equal() -> None:
     view = decide([member("a", 0, -1), member("b", 0, -1)], 1, "k", "a:x")
     assert view.step == -1 and view.contributors == (0, 1) and view.joiners == ()
