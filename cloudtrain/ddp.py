@@ -98,9 +98,11 @@ def check_agreement(
     )
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
+    if problem is not None:
+        raise problem
     for rank, (_, _, found) in enumerate(gathered):
         if found is not None:
-            raise ValueError(found if rank == dist.get_rank() else f"on rank {rank}: {found}")
+            raise ValueError(f"on rank {rank}: {found}")
     everyone = [identity for identity, _, _ in gathered]
     ref = everyone[0]
     for rank, other in enumerate(everyone):
@@ -211,8 +213,12 @@ class CloudDDP(DistributedDataParallel):
         if "process_group" in ddp_kwargs:
             raise ValueError("CloudDDP makes its own process groups; do not pass process_group")
         start_control_group(config.timeout_s)  # its rendezvous overlaps the checks
-        _check_dense(module)
-        names = check_agreement(module, config)
+        try:
+            _check_dense(module)
+            problem = None
+        except ValueError as e:  # raised on every rank (check_agreement), not on this one alone
+            problem = e
+        names = check_agreement(module, config, problem)
         # the groups' rendezvous (store round trips across the WAN) overlaps DDP's construction
         # and the links' probe
         topo = Topology.discover(config, config.timeout, wait=False, names=names)

@@ -469,12 +469,11 @@ class ElasticRegion:
         links = self.book.links(view.regions, loop.cut)
         chosen = loop.choose(links, step_s)
         schedule = dataclasses.replace(chosen, regions=view.regions, start=view.step)
-        if self.local == 0:
-            log.warning(
-                "cloudtrain elastic: region %s at step %s: plan for regions %s (%d pairs "
-                "probed, %.2f s): %s", self.region, view.step, list(view.regions), probed,
-                time.perf_counter() - t0, schedule.describe(step_s, links),
-            )  # fmt: skip
+        self.members.say(
+            "cloudtrain elastic: region %s at step %s: plan for regions %s (%d pairs probed, "
+            "%.2f s): %s", self.region, view.step, list(view.regions), probed,
+            time.perf_counter() - t0, schedule.describe(step_s, links),
+        )  # fmt: skip
         return schedule
 
     def _agreed_links(self, view: View, cross: Any, mine: Any) -> tuple[list[Any], int]:
@@ -541,7 +540,7 @@ class ElasticRegion:
         if fragment is not None:
             self.commits += 1
         self.stats.syncs += 1
-        self.members.last = view.regions
+        self.members.last, self.members.synced = view.regions, view.name
         if changed and len(view.members) > 1:
             self._verify_change(view, cross)
         if self._group_key:
@@ -667,9 +666,9 @@ class ElasticSteps(ElasticRegion):
     parameters, buffers, optimizer state, step and bucket layouts; its residuals start at
     zero). Every quorum whose groups changed points the hook at the present regions
     (`CommState.use_regions`), with "auto" under a controller made for them (`_controller`);
-    the regions at a quorum contribute where they agree on their parameters' digests (two
-    parts that trained apart: the others heal from the part most share); every quorum makes their
-    buffers equal."""
+    one whose membership changed checks their parameters' digests (regions that trained apart
+    heal from one part first: cloudtrain.quorum._agreeing); every quorum makes their buffers
+    equal."""
 
     def __init__(self, config: Any, topo: Topology, replica: Any, identity: dict[str, str]) -> None:
         super().__init__(config, topo, replica, identity)
@@ -806,10 +805,20 @@ class ElasticSteps(ElasticRegion):
         self._generation += 1
 
     def _verify_change(self, view: View, cross: Any) -> None:
-        """After a quorum whose membership changed, nothing to compare (no message): the
-        contributors announced the same digest (taken between the same steps; the quorum chose
-        them so: cloudtrain.quorum._agreeing), and a joiner's state was checked against its
-        source's on loading."""
+        """After a quorum whose membership changed: the present regions' parameters compared,
+        with no message - the contributors announced their digests in the quorum (taken between
+        the same steps), and a joiner's state was checked against its source's on loading."""
+        from .hook import ReplicaMismatch
+
+        digests = {view.members[i].digest for i in view.contributors}
+        if len(digests) > 1:
+            seen = ", ".join(
+                f"{view.members[i].region} {view.members[i].digest:#x}" for i in view.contributors
+            )
+            raise ReplicaMismatch(
+                f"cloudtrain elastic: at step {view.step} the parameter sets differ between the "
+                f"regions: {seen}"
+            )
 
     def verify(self) -> None:
         """CloudDDP.verify_replicas() in a per-step elastic run: the present regions' parameters'

@@ -105,6 +105,8 @@ class Membership:
         """> 0: the region leaves at its next quorum (cloudtrain.quorum.Member.leaving)."""
         self.spares = ""
         """The quorum key whose spare groups the region holds (Member.spares)."""
+        self.synced = ""
+        """The quorum of the region's last committed sync (Member.synced)."""
         self._stop = threading.Event()
         self._client = self._heartbeat = self._store = None
         timeout = timedelta(seconds=options.exchange_timeout_s)
@@ -171,6 +173,7 @@ class Membership:
                 "links": self.links,
                 "leaving": self.leaving,
                 "spares": self.spares,
+                "synced": self.synced,
             }
             try:
                 q = self._client.quorum(
@@ -194,9 +197,9 @@ class Membership:
                         "cloudtrain elastic: region %s paused at step %s: no quorum within %g s "
                         "(%s)%s", self.region, step, self.options.quorum_timeout_s,
                         str(e).splitlines()[0],
-                        f"; the last sync's other regions: {others} (one that stopped "
-                        "heartbeating is lost: the Lighthouse forms no quorum below its "
-                        "--min-regions)" if others else "",
+                        f"; the last sync's other regions: {others} (if one of them stopped "
+                        "heartbeating, the Lighthouse forms no quorum below its --min-regions)"
+                        if others else "",
                     )  # fmt: skip
         got = [view]
         dist.broadcast_object_list(got, src=0, group=self.group)

@@ -6,8 +6,9 @@ torchft's Lighthouse gives a quorum: the regions asking at a sync, each with wha
 
 - who is refused (another model, config, release or region size than the run's; a second
   process claiming a region that is present), and who leaves (a spot notice, per step),
-- who contributes to this sync (the regions at the sync with the most syncs committed) and who
-  joins (every other: a new or restarted region, or one whose last sync failed),
+- who contributes to this sync (the regions at the sync with the most syncs committed, of
+  those the ones that agree on their digest where others trained apart) and who joins (every
+  other: a new or restarted region, one whose last sync failed, or one that trained apart),
 - from which contributor each joiner takes the state (the fastest measured link to it),
 - which cross-region groups the sync runs on (reused where every member holds the same ones,
   made for the same members).
@@ -47,7 +48,7 @@ class Member:
     """The inner step of the sync it asks for; -1: it is joining (at its start)."""
     fragment: int
     digest: int
-    """CRC of its outer copy when it asked."""
+    """CRC of its outer copy when it asked (per step: of its parameters)."""
     store: str
     """host:port of its TCP store, for the groups of a quorum it leads."""
     group: str = ""
@@ -60,6 +61,9 @@ class Member:
     spares: str = ""
     """The key of the quorum for whose members less one region it made cross groups ahead
     (cloudtrain.elastic.SpareGroups; "": none)."""
+    synced: str = ""
+    """The quorum of its last committed sync (`View.name`; "": none yet): regions equally far
+    along with other digests trained apart where theirs differ (`_agreeing`)."""
 
     @classmethod
     def of(cls, member: Any) -> Member:
@@ -79,6 +83,7 @@ class Member:
             links=tuple(tuple(row) for row in data.get("links") or ()),
             leaving=int(data.get("leaving", 0)),
             spares=str(data.get("spares", "")),
+            synced=str(data.get("synced", "")),
         )
 
     @property
@@ -123,6 +128,11 @@ class View:
         return tuple(m.region for m in self.members)
 
     @property
+    def name(self) -> str:
+        """This quorum among all of the run's (its id and the Lighthouse's time of it)."""
+        return f"{self.quorum_id}@{self.created!r}"
+
+    @property
     def store(self) -> str:
         return self.members[self.contributors[0]].store
 
@@ -152,10 +162,10 @@ def decide(
         raise ValueError("decide: a quorum has at least one participant")
     top = max(p.rank_key for p in participants)
     tops = [p for p in participants if p.rank_key == top]
-    counts: dict[tuple, int] = {}
+    by_identity: dict[tuple, list[Member]] = {}
     for p in tops:
-        counts[p.identity] = counts.get(p.identity, 0) + 1
-    run = min(counts, key=lambda i: (-counts[i], min(p.region for p in tops if p.identity == i)))
+        by_identity.setdefault(p.identity, []).append(p)
+    run = _most_shared(list(by_identity.values()), lambda p: p.region)[0].identity
     refused: list[tuple[str, str]] = []
     by_region: dict[str, Member] = {}
     for p in sorted(participants, key=lambda p: (tuple(-x for x in p.rank_key), p.replica_id)):
@@ -202,16 +212,27 @@ def decide(
 
 
 def _agreeing(candidates: Sequence[int], members: Sequence[Member]) -> tuple[int, ...]:
-    """Of the members equally advanced, those whose digest most of them share (ties: the one of
-    the smallest region name): equal syncs committed and equal steps with another outer copy
-    (or parameters) mean two parts of the run trained apart - a partition, min_regions 1 -
-    and the others take the chosen part's state as joiners, where averaging the two would
-    fail the replica check."""
+    """Of the members equally advanced (the same syncs committed, the same step), those that
+    contribute. Where their digests differ and no two that differ committed their last sync in
+    the same quorum, they trained apart (with min_regions 1, one went on alone while the other
+    was cut off, then the other way round): the digest most of them share contributes (ties:
+    the smallest region name's), and the others take its state as joiners. Where two that differ
+    did commit the same last sync, their replicas drifted (a bug, or arithmetic that differs
+    between their machines): all contribute, and the replica check raises ReplicaMismatch."""
     by_digest: dict[int, list[int]] = {}
     for i in candidates:
         by_digest.setdefault(members[i].digest, []).append(i)
-    chosen = min(by_digest.values(), key=lambda g: (-len(g), min(members[i].region for i in g)))
-    return tuple(chosen)
+    if len(by_digest) == 1:
+        return tuple(candidates)
+    synced = [{members[i].synced for i in group} for group in by_digest.values()]
+    if any(a & b for k, a in enumerate(synced) for b in synced[k + 1 :]):
+        return tuple(candidates)
+    return tuple(_most_shared(list(by_digest.values()), lambda i: members[i].region))
+
+
+def _most_shared(groups: Sequence[Sequence[Any]], name: Any) -> Sequence[Any]:
+    """The largest of `groups`; ties to the one holding the smallest `name(item)`."""
+    return min(groups, key=lambda g: (-len(g), min(name(x) for x in g)))
 
 
 def spare_key(parent: str, lost: str, regions: Sequence[str]) -> str:

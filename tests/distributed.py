@@ -49,6 +49,9 @@ def free_port() -> int:
 
 
 def _child(fn, rank, world, port, env, args, results) -> None:
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a native crash prints every thread's stack
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     os.environ.update(
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
@@ -91,14 +94,34 @@ def _exit(p: Any) -> str:
     if code is not None and code < 0:
         import signal
 
-        return f"signal {signal.Signals(-code).name}"
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
     return f"code {code}"
+
+
+def _drain(results: Any, out: dict[int, Any]) -> None:
+    """The results already in the queue, into `out` (a rank that finished is not "no
+    result")."""
+    while True:
+        try:
+            rank, ok, value = results.get_nowait()
+        except queue.Empty:
+            return
+        out.setdefault(rank, _load(value) if ok else RankFailed(rank, value))
 
 
 def _with_others(first: RankFailed, out: dict[int, Any], procs: list[Any]) -> RankFailed:
     """`first`'s failure, with every other rank's outcome: its error's last lines, how its
     process ended, or that it is still running."""
     lines = []
+    killed = [r for r, p in enumerate(procs) if r != first.rank and (p.exitcode or 0) < 0]
+    if killed:  # the others' errors (a connection reset) follow from it
+        lines.append(
+            f"(rank {killed[0]} died of a signal: the errors above follow from it; a crash's "
+            "stack is in the captured stderr)"
+        )
     for r, p in enumerate(procs):
         if r == first.rank:
             continue
@@ -149,6 +172,7 @@ def run_ranks(
     try:
         while len(out) < world:
             if failed is not None and time.monotonic() > deadline:
+                _drain(results, out)
                 raise _with_others(failed, out, procs)
             try:
                 rank, ok, value = results.get(timeout=0.5)

@@ -54,6 +54,7 @@ def _local(model):
 
 
 def _equals_hsdp(rank):
+    import cloudtrain
     from cloudtrain import CompressionConfig
 
     cfg = CompressionConfig.resolve("none", regions=REGIONS, staleness=0, verify_every=1)
@@ -65,7 +66,9 @@ def _equals_hsdp(rank):
             opt.zero_grad()
             loss_of(model, x, y).backward()
             opt.step()
-    return _max_diff(ours, hsdp), _max_diff(ours, _hsdp(make_model()))
+    out = _max_diff(ours, hsdp), _max_diff(ours, _hsdp(make_model()))
+    cloudtrain.ShardedComm.of(ours).close()  # its thread stopped before the next model's
+    return out
 
 
 def _max_diff(a, b) -> float:
@@ -117,6 +120,7 @@ def _versus_replay(rank, world, micro):
             mismatches += sum(not torch.equal(a, b) for a, b in zip(want_u, got_u, strict=True))
         opt.step()
     stats = comm.stats()
+    comm.close()
     return mismatches, stats.steps, stats.compressed_steps, stats.wan_bytes_sent
 
 
@@ -134,6 +138,7 @@ def _split(flat, units):
 
 def _accumulation_equals_large_batch(rank):
     """Two micro-batches of 8 exchanged once against one batch of 16, codec "none"."""
+    import cloudtrain
     from cloudtrain import CompressionConfig
 
     cfg = CompressionConfig.resolve("none", regions=REGIONS, staleness=0)
@@ -149,6 +154,8 @@ def _accumulation_equals_large_batch(rank):
         loss_of(large, torch.cat(xs), torch.cat(ys)).backward()
         for opt in opts:
             opt.step()
+    for model in (micro, large):
+        cloudtrain.ShardedComm.of(model).close()
     return _max_diff(micro, large)
 
 

@@ -142,10 +142,12 @@ MESSAGES = {
 
 def test_bad_inputs_and_nonfinite_gradients_raise_clearly_on_every_rank():
     t0 = time.monotonic()
-    for errors, raised, passed in run_ranks(4, _checks, timeout=300):
+    for rank, (errors, raised, passed) in enumerate(run_ranks(4, _checks, timeout=300)):
         for kind in BAD:
             assert errors[kind] is not None, f"{kind}: no error raised"
             assert MESSAGES[kind] in errors[kind], errors[kind]
+        # "us" sharded a unit with torch's fully_shard: its rank 0 names it, "eu" says where
+        assert ("on rank 0:" in errors["torch_unit_us"]) == (rank >= 2), errors["torch_unit_us"]
         assert errors["root_config"] == "quant", errors["root_config"]
         outcome, _, _ = raised
         assert outcome[0] is True and "has NaN or Inf (raised on every rank)" in outcome[1]

@@ -361,7 +361,9 @@ def _predict(
         sends = [(r[0], _level(r[1])) for r in rungs]
         step, sent = predict_outer(setting, h, sends, fragments=fragments, overlap=overlap)
         steps, warmup = counted
-        share = (steps // h - warmup // h + 1) * h / (steps - warmup)  # syncs run / syncs per H
+        # syncs run / syncs per H (fragment 0's: with fragments at offsets, another fragment's
+        # count in the window may differ by one)
+        share = (steps // h - warmup // h + 1) * h / (steps - warmup)
         base = compute_s + intra if ddp is None else _mean_ms(ddp, warmup) / 1000
         step = base + (step - setting.compute_s - intra) * share
         sent = [b * share for b in sent]

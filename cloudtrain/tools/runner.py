@@ -335,7 +335,7 @@ class Run:
     sends: list | None = None
     """CloudDDP's plan at the end: (codec, level) by region."""
     outer_schedule: list | None = None
-    """The outer loop's [H, rungs by region]."""
+    """The outer loop's [H, rungs by region, fragments, overlap]."""
     links: dict | None = None
     """The controller's link estimates at the end, by region (stats().controller["links"])."""
     plan_history: list | None = None
