@@ -8,6 +8,7 @@ root the bench never drops to loopback.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -157,6 +158,30 @@ def test_an_outer_row_is_predicted_with_its_fragments_and_overlap():
     streaming = predict([20, quant, 4, 1])
     assert streaming[1] == pytest.approx(whole[1], rel=1e-3)
     assert streaming[0] < whole[0] - 30.0, (streaming, whole)
+
+
+def test_a_sharded_per_step_row_is_predicted_from_a_sharded_inner_step():
+    """Sharded per-step "auto": its compute is a sharded outer row's median step (an inner step:
+    FSDP2's reductions in the region included), its plans predicted as "auto"'s from there;
+    with no sharded outer row in the run, no prediction."""
+    compute, quant = Run("compute", 50.0, None, 0.9, [], None, []), [["quant", 4]] * 2
+    inner = Run("shard-diloco-4bit", 120.0, 0, 0.9, [], None, [], {}, numel=20_000_000,
+                outer_schedule=[10, quant, 1, 0])  # fmt: skip
+
+    def predict(base, history):
+        run = Run("shard-auto", 400.0, 0, 0.9, [], None, [], {}, numel=20_000_000,
+                  plan_history=history)  # fmt: skip
+        return _predict(run, compute, base, SCENARIOS["wan"], "emulated", (60, 0))
+
+    assert predict(None, [(0, quant)]) == (None, None)
+    ms, mb = predict(inner, [(0, quant)])
+    assert ms > 120.0 and mb == pytest.approx(2 * 80.0 / 8, rel=0.05)
+    later = dataclasses.replace(inner, step_ms=220.0)
+    assert ms < predict(later, [(0, quant)])[0] <= ms + 100.0 + 1e-6  # from the inner step on
+    plain = predict(inner, [(0, [["none", None]] * 2)])  # compresses nothing: HSDP's
+    hsdp = _predict(dataclasses.replace(inner, method="hsdp", outer_schedule=None),
+                    compute, None, SCENARIOS["wan"], "emulated", (60, 0))  # fmt: skip
+    assert plain[1] == pytest.approx(hsdp[1])
 
 
 def test_predictions_stand_beside_the_mean_of_the_counted_steps():

@@ -263,9 +263,13 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         if args.scenario == "drop":
             fallen = dict.fromkeys(links.up or {}, DROP_MBIT)
             phases.append((args.drop_at, Scenario(fallen, dict(fallen), links.rtt_ms)))
+        # a sharded outer row's ordinary step is an inner step: FSDP2's reductions inside the
+        # region with the compute, which the sharded rows' predictions start from
+        inner = next((r for r in runs if is_sharded(r.method) and r.outer_schedule), None)
         for row, run in zip(rows, runs, strict=True):
+            base = inner if is_sharded(run.method) else baseline
             row["predicted_step_ms"], row["predicted_wan_mb_per_step"] = _predict_phases(
-                run, compute, baseline, phases, wan, (args.steps, args.warmup)
+                run, compute, base, phases, wan, (args.steps, args.warmup)
             )
     name = f"bench-{'sharded-' if args.sharded else ''}{args.scenario}"
     stem = save_report(report, args.out, name).with_suffix("")
@@ -283,6 +287,11 @@ def _hetero_report(args: argparse.Namespace, report: dict[str, Any], network: st
                   else f"workload {args.workload}")  # fmt: skip
     save_report(report, args.out, f"bench-{args.scenario}")
     return report
+
+
+def _sharded_per_step(run: Run) -> bool:
+    """cloudtrain.fully_shard with a per-step exchange across regions (not HSDP, no outer loop)."""
+    return is_sharded(run.method) and run.method != "hsdp" and run.outer_schedule is None
 
 
 def _predict_phases(
@@ -332,16 +341,26 @@ def _predict(
     which the emulator counts, and re-probes.
 
     The outer loop's inner step is DDP's inside a region: its base is DDP's unshaped step (the
-    all-reduce overlapping backward as DDP overlaps it) where the bench ran it. Its syncs are
-    those of the counted steps (`counted`: the run's steps and warm-up) and the run's last one
-    (`finish_outer`), as the measurement counts them."""
+    all-reduce overlapping backward as DDP overlaps it) where the bench ran it (`ddp`). Its syncs
+    are those of the counted steps (`counted`: the run's steps and warm-up) and the run's last
+    one (`finish_outer`), as the measurement counts them.
+
+    A sharded row's compute is a sharded inner step - FSDP2's all-gathers and reduce-scatters
+    inside the region are in no stage of their own - measured as the median step of the
+    run's sharded outer row (`ddp`): HSDP adds its dense all-reduce across, the per-step rows
+    their plans, predicted as "auto"'s (`sharded`: one that compresses nothing is HSDP's),
+    and the outer row its syncs (its own median being its inner step). Without a sharded outer
+    row in the run, HSDP and the outer row start from the compute row (FSDP2's reductions left
+    out) and the per-step rows have no prediction."""
     from ..costs import LinkEstimate
     from ..forecast import Setting, predict_ddp, predict_outer, predict_rungs
 
     if wan is None or run.method in ("compute", "ddp-loopback", "powersgd"):
         return None, None
-    if is_sharded(run.method) and run.method != "hsdp" and run.outer_schedule is None:
-        return None, None  # sharded per-step: FSDP's reduce-scatter is not in the comm stages
+    sharded = _sharded_per_step(run)
+    if sharded and ddp is None:
+        return None, None  # FSDP2's reductions in the region: no sharded outer row measured them
+    inner = is_sharded(run.method) and ddp is not None  # ddp: the sharded outer row
     shards, world = 2, 4
     up = links.up or dict.fromkeys(("us", "eu"), UNSHAPED_MBIT)
     per_owner = tuple(
@@ -349,6 +368,8 @@ def _predict(
     )
     stages = {k: v / 1000 for k, v in (run.comm_ms or {}).items()}
     compute_s = _mean_ms(compute, counted[1]) / 1000
+    if inner:
+        compute_s = ddp.step_ms / 1000  # the median: an inner step, not a sync's
     if run.method in ("ddp", "fp16", "hsdp"):
         setting = Setting(run.numel, world, per_owner, shards, compute_s, 0.0, handshake=True)
         hsdp = run.method == "hsdp"
@@ -364,7 +385,7 @@ def _predict(
         # syncs run / syncs per H (fragment 0's: with fragments at offsets, another fragment's
         # count in the window may differ by one)
         share = (steps // h - warmup // h + 1) * h / (steps - warmup)
-        base = compute_s + intra if ddp is None else _mean_ms(ddp, warmup) / 1000
+        base = compute_s + intra if ddp is None or inner else _mean_ms(ddp, warmup) / 1000
         step = base + (step - setting.compute_s - intra) * share
         sent = [b * share for b in sent]
     else:
@@ -385,7 +406,8 @@ def _predict(
         setting = Setting(run.numel, world, per_owner, shards, compute_s, intra, True, cpu)
         spans = _spans([p[0] for p in plans], *counted)
         predicted = [
-            predict_rungs(setting, [(c, _level(lv)) for c, lv in p], zstd=z) for _, p, z in plans
+            predict_rungs(setting, [(c, _level(lv)) for c, lv in p], sharded, zstd=z)
+            for _, p, z in plans
         ]
         step = sum(n * t for n, (t, _) in zip(spans, predicted, strict=True)) / sum(spans)
         sent = [sum(n * sum(b) for n, (_, b) in zip(spans, predicted, strict=True)) / sum(spans)]
