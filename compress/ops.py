@@ -36,6 +36,9 @@ from .rng import RandomKey
 OPS = ("ef_topk_select", "ef_quantize", "dequantize_accumulate", "sparse_accumulate")
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
+MAX_GROUP_SIZE = 1 << 30
+"""Elements per scale at most (the native ops' kMaxGroupSize): group counts and byte offsets
+computed from it cannot overflow."""
 
 
 def _load_native() -> bool:
@@ -107,8 +110,8 @@ def ef_quantize(
     stochastic rounding (RandomKey() when None)."""
     if bits not in reference.QUANT_BITS:
         raise ValueError(f"bits={bits} is not supported; use one of {reference.QUANT_BITS}")
-    if group_size < 1:
-        raise ValueError(f"group_size={group_size} must be >= 1")
+    if not 1 <= group_size <= MAX_GROUP_SIZE:
+        raise ValueError(f"group_size={group_size} must be in [1, 2^30]")
     key = key or RandomKey()
     if (
         _native("ef_quantize", grad.device)
@@ -135,6 +138,8 @@ def dequantize_accumulate(
     packets, bits = list(packets), list(bits)
     if len(bits) != len(packets):
         raise ValueError(f"{len(packets)} packets but {len(bits)} bit widths")
+    if not 1 <= group_size <= MAX_GROUP_SIZE:
+        raise ValueError(f"group_size={group_size} must be in [1, 2^30]")
     if (
         _native("dequantize_accumulate", out.device)
         and out.dtype == torch.float32

@@ -446,6 +446,18 @@ def test_torch_compile_traces_the_ops():
         ),
         (lambda o: o.ef_quantize(torch.ones(10), None, 3, 512, False, 0), "bits=3"),
         (lambda o: o.ef_quantize(torch.ones(10), None, 8, 0, False, 0), "group_size=0"),
+        # a group_size near 2^63 wrapped the group count to 0, and the next op read lo/step
+        (
+            lambda o: o.ef_quantize(torch.ones(10), None, 8, 2**63 - 1, False, 0),
+            r"group_size=9223372036854775807 must be in \[1, 2\^30\]",
+        ),
+        (
+            lambda o: o.dequantize_accumulate(
+                torch.zeros(10), [torch.zeros(10, dtype=torch.uint8)], [torch.zeros(0)],
+                [torch.zeros(0)], [8], 2**63 - 1,
+            ),
+            r"group_size=9223372036854775807 must be in \[1, 2\^30\]",
+        ),
         (
             lambda o: o.ef_quantize(torch.ones(10), torch.ones(20)[::2], 8, 512, False, 0),
             "residual must be a contiguous",
@@ -487,6 +499,23 @@ def test_torch_compile_traces_the_ops():
 def test_bad_input_raises_a_clear_error(call, match):
     with pytest.raises(RuntimeError, match=match):
         call(torch.ops.cloudtrain)
+
+
+@native
+def test_the_largest_group_size_is_one_group():
+    """2^30 elements per scale: one group of 10 elements, as the reference (no overflow in the
+    group count); above it, the ops and the codec name the bound."""
+    x = torch.linspace(-1, 1, 10)
+    codes, lo, step = torch.ops.cloudtrain.ef_quantize(x, None, 8, 2**30, False, 0)
+    want = ref.ef_quantize(x, None, 8, 2**30, False)
+    assert lo.numel() == step.numel() == 1
+    assert all(torch.equal(a, b) for a, b in zip((codes, lo, step), want, strict=True))
+    with pytest.raises(ValueError, match=r"group_size=1073741825 must be in \[1, 2\^30\]"):
+        ops.ef_quantize(x, None, 8, 2**30 + 1, False)
+    from cloudtrain.compress.codecs.dense import Quant
+
+    with pytest.raises(ValueError, match=r"must be an int in \[1, 2\^30\]"):
+        Quant(group_size=2**63 - 1)
 
 
 @native

@@ -76,9 +76,13 @@ class Grouped(Codec):
 
     def __init__(self, group_size: int = 512, nonfinite: str = "raise") -> None:
         super().__init__(nonfinite)
-        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        if (
+            not isinstance(group_size, int)
+            or isinstance(group_size, bool)
+            or not 1 <= group_size <= ops.MAX_GROUP_SIZE
+        ):
             raise ValueError(
-                f"group_size={group_size!r} must be a positive int (elements per scale)"
+                f"group_size={group_size!r} must be an int in [1, 2^30] (elements per scale)"
             )
         self.group_size = group_size
 

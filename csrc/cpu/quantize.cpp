@@ -233,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ef_quantize_cpu(
   // Tasks own whole bytes: a task starts at a group whose first element is a multiple of 8.
   const int64_t unit = 8 / std::gcd<int64_t>(group_size, 8);  // groups per aligned unit
   const int64_t units = (groups + unit - 1) / unit;
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / (unit * group_size));
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / unit / group_size);
   dispatch_grad_residual(grad, residual, [&](auto g, auto r) {
     using G = typename decltype(g)::type;
     constexpr int R = decltype(r)::value;
