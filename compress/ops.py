@@ -41,6 +41,12 @@ MAX_GROUP_SIZE = 1 << 30
 computed from it cannot overflow."""
 
 
+def check_group_size(group_size: int) -> None:
+    """Elements per scale in [1, MAX_GROUP_SIZE], or a ValueError naming the bound."""
+    if not 1 <= group_size <= MAX_GROUP_SIZE:
+        raise ValueError(f"group_size={group_size} must be in [1, 2^30]")
+
+
 def _load_native() -> bool:
     if os.environ.get("CLOUDTRAIN_NO_NATIVE") == "1":
         return False
@@ -110,8 +116,7 @@ def ef_quantize(
     stochastic rounding (RandomKey() when None)."""
     if bits not in reference.QUANT_BITS:
         raise ValueError(f"bits={bits} is not supported; use one of {reference.QUANT_BITS}")
-    if not 1 <= group_size <= MAX_GROUP_SIZE:
-        raise ValueError(f"group_size={group_size} must be in [1, 2^30]")
+    check_group_size(group_size)
     key = key or RandomKey()
     if (
         _native("ef_quantize", grad.device)
@@ -138,8 +143,7 @@ def dequantize_accumulate(
     packets, bits = list(packets), list(bits)
     if len(bits) != len(packets):
         raise ValueError(f"{len(packets)} packets but {len(bits)} bit widths")
-    if not 1 <= group_size <= MAX_GROUP_SIZE:
-        raise ValueError(f"group_size={group_size} must be in [1, 2^30]")
+    check_group_size(group_size)
     if (
         _native("dequantize_accumulate", out.device)
         and out.dtype == torch.float32

@@ -60,13 +60,17 @@ inline void check_ef_topk_select(const at::Tensor& grad, const std::optional<at:
 // and byte offsets stay far from overflow
 constexpr int64_t kMaxGroupSize = int64_t{1} << 30;
 
+inline void check_group_size(int64_t group_size, const char* op) {
+  TORCH_CHECK(group_size >= 1 && group_size <= kMaxGroupSize, "cloudtrain::", op, ": group_size=",
+              group_size, " must be in [1, 2^30]");
+}
+
 inline void check_ef_quantize(const at::Tensor& grad, const std::optional<at::Tensor>& residual,
                               int64_t bits, int64_t group_size) {
   check_grad(grad, "ef_quantize");
   check_residual(residual, grad, "ef_quantize");
   check_bits(bits, "ef_quantize", "bits");
-  TORCH_CHECK(group_size >= 1 && group_size <= kMaxGroupSize, "cloudtrain::ef_quantize: group_size=",
-              group_size, " must be in [1, 2^30]");
+  check_group_size(group_size, "ef_quantize");
 }
 
 // n >= 0, group_size >= 1: no overflow whatever group_size (n + group_size - 1 would wrap)
@@ -81,8 +85,7 @@ inline void check_dequantize_accumulate(const at::Tensor& out, at::TensorList co
   TORCH_CHECK(out.scalar_type() == at::kFloat, "cloudtrain::", op, ": out must be float32, got ",
               out.scalar_type());
   check_flat(out, op, "out");
-  TORCH_CHECK(group_size >= 1 && group_size <= kMaxGroupSize, "cloudtrain::", op, ": group_size=",
-              group_size, " must be in [1, 2^30]");
+  check_group_size(group_size, op);
   const size_t count = codes.size();
   TORCH_CHECK(lo.size() == count && step.size() == count && bits.size() == count,
               "cloudtrain::", op, ": codes, lo, step and bits must have one entry per packet, got ",

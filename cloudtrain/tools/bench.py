@@ -360,7 +360,7 @@ def _predict(
     sharded = _sharded_per_step(run)
     if sharded and ddp is None:
         return None, None  # FSDP2's reductions in the region: no sharded outer row measured them
-    inner = is_sharded(run.method) and ddp is not None  # ddp: the sharded outer row
+    from_inner = is_sharded(run.method) and ddp is not None  # ddp: the sharded outer row
     shards, world = 2, 4
     up = links.up or dict.fromkeys(("us", "eu"), UNSHAPED_MBIT)
     per_owner = tuple(
@@ -368,7 +368,7 @@ def _predict(
     )
     stages = {k: v / 1000 for k, v in (run.comm_ms or {}).items()}
     compute_s = _mean_ms(compute, counted[1]) / 1000
-    if inner:
+    if from_inner:
         compute_s = ddp.step_ms / 1000  # the median: an inner step, not a sync's
     if run.method in ("ddp", "fp16", "hsdp"):
         setting = Setting(run.numel, world, per_owner, shards, compute_s, 0.0, handshake=True)
@@ -385,7 +385,7 @@ def _predict(
         # syncs run / syncs per H (fragment 0's: with fragments at offsets, another fragment's
         # count in the window may differ by one)
         share = (steps // h - warmup // h + 1) * h / (steps - warmup)
-        base = compute_s + intra if ddp is None or inner else _mean_ms(ddp, warmup) / 1000
+        base = compute_s + intra if ddp is None or from_inner else _mean_ms(ddp, warmup) / 1000
         step = base + (step - setting.compute_s - intra) * share
         sent = [b * share for b in sent]
     else:
