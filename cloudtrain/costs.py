@@ -91,18 +91,21 @@ def exchange_seconds(
     compute): the latency model behind plan_levels.
 
     Synchronous (staleness 0), a step's exchanges are all in flight before the first is waited
-    for (the hook finishes them at the step's last bucket): a round trip, plus the transfer.
-    Pipelined, they also have s more steps of compute to arrive in: a round trip, less s x
-    compute. Either way the link must carry each step's bytes within a step (a pipeline
-    hides round trips, never bandwidth): transfer - (1 - hidden) x compute.
+    for (the hook finishes them at the step's last bucket): half a round trip, plus the
+    transfer. Pipelined, they also have s more steps of compute to arrive in: less s x compute.
+    Either way the link must carry each step's bytes within a step (a pipeline hides round
+    trips, never bandwidth): transfer - (1 - hidden) x compute.
 
-    A whole round trip, not half: gloo sends a message only once its receiver has posted the
-    receive and said so over the wire, so an exchange whose peers post together takes a round
-    trip before the data moves.
+    Half a round trip, not a whole one: gloo sends a message only once its receiver has posted
+    the receive and said so over the wire, and the data path posts each packet stream's
+    receives an exchange ahead (cloudtrain.collectives.ReceivesAhead), so by the next exchange
+    the notice has crossed. (A step shorter than half a round trip, or a stream's first
+    exchange, still waits for part of it.)
     """
+    one_way = rtt / 2
     if staleness == 0:
-        return rtt + transfer
-    latency = rtt + transfer - staleness * compute_time
+        return one_way + transfer
+    latency = one_way + transfer - staleness * compute_time
     return max(latency, transfer - (1 - hidden) * compute_time)
 
 

@@ -29,13 +29,15 @@ import torch
 import torch.distributed as dist
 
 from .collectives import (
+    Ahead,
     Pending,
+    ReceivesAhead,
     all_gather_single,
-    exchange_fixed,
     exchange_sized,
     reduce_scatter_direct,
     reduce_scatter_single,
     run_and_wait,
+    stream_tag,
 )
 from .compress import ErrorFeedback, Expected, RandomKey, cut, from_wire, to_wire, wire_zstd_gain
 from .guard import QualityProbe
@@ -211,7 +213,7 @@ class CrossRegion:
         bucket, m = self.packet_id(index), x.numel()
         wire = self.encode(x, plan, step, (index, self.topo.shard), bucket, valid=valid)
         arrivals: dict[int, tuple[int, float]] = {}
-        pending = self.swap(wire, plan, m, x.dtype, where, arrivals)
+        pending = self.swap(wire, plan, bucket, (m, x.dtype), where, arrivals)
         return Swap(step, plan, bucket, m, x.dtype, x.device, pending, arrivals)
 
     def collect(self, swap: Swap) -> torch.Tensor:
@@ -325,20 +327,20 @@ class CrossRegion:
         self,
         wire: torch.Tensor,
         plan: Plan,
-        m: int,
-        dtype: torch.dtype,
+        bucket: int,
+        shape: tuple[int, torch.dtype],
         where: str,
         arrivals: dict[int, tuple[int, float]],
     ) -> Pending:
-        """Issue the swap of this shard's packets with the other regions' owners; wait() gives
-        every region's packet in region order (this rank's own included). With an observer,
-        `arrivals` gets (bytes, seconds until it arrived) per sender region."""
+        """Issue the swap of this shard's packets (packet id `bucket`, of `shape`'s elements and
+        dtype) with the other regions' owners; wait() gives every region's packet in region
+        order (this rank's own included). With an observer, `arrivals` gets (bytes, seconds
+        until it arrived) per sender region."""
+        m, dtype = shape
         topo = self.topo
         peers = topo.shard_owners(topo.shard)
         group = topo.group(f"cross{topo.shard}")
         self.stats.wan_bytes_sent += wire.numel() * (len(peers) - 1)
-        if plan.uniform and self.observer is None:
-            return exchange_fixed(wire, peers, group, self.timeout, where)
         # per-sender sizes known to all from the plan (a zstd sender's: at most that);
         # arrivals timed for the controller
         sizes = [self.codecs.wire_nbytes(rung, m, dtype) for rung in plan.senders]
@@ -353,11 +355,23 @@ class CrossRegion:
             where,
             timings,
             shorter=plan.zstd_for(topo.region),
+            ahead=self._ahead(group, plan, bucket, m, dtype),
         )
         zstd = [plan.zstd_for(r) for r in range(len(sizes))]
         if timings is None and not any(zstd):
             return pending
         return _Received(pending, zstd, timings, arrivals)
+
+    def _ahead(self, group: Any, plan: Plan, bucket: int, m: int, dtype: torch.dtype) -> Ahead:
+        """The swap's packet stream (collectives.ReceivesAhead): one per packet id, shape and
+        the most bytes a packet of it can have - the largest at any rung the group's packets
+        were sent at, so a receive posted ahead fits the next packet whatever rung it comes at,
+        unless that rung is new there (it starts a stream of its own). Every owner of the shard
+        sees the same plans at the same swaps, so all name the same stream."""
+        receives = ReceivesAhead.of(group)
+        receives.rungs.update(plan.senders)
+        nbytes = max(self.codecs.wire_nbytes(rung, m, dtype) for rung in receives.rungs)
+        return Ahead(receives, stream_tag(bucket, m, str(dtype), nbytes), nbytes)
 
     def accumulate(
         self,

@@ -17,10 +17,11 @@ REPROBE_SHARE of the run's time. A re-probe that reads a link well under its est
 sets it, so that one transfer that read low lowers nothing (on the emulated links at 80 ms, one
 probe read 0.64-1.12x of one TCP flow from one run to the next before it re-timed a message that
 read slow, 0.90-1.15x since: cloudtrain.probe). Between re-probes each shard owner times every
-packet it receives: packets never lower an estimate (their time is their
-sender's lateness as much as the link's), and raise it only when one owner's packets alone came
-faster than the whole link was thought to carry; packets that arrive much slower than packets of
-their size did after the last re-probe ask for the next one early.
+packet it receives. Packets set no estimate: their receives are posted an exchange ahead
+(cloudtrain.collectives.ReceivesAhead), so a packet's time is the one-way latency and its
+transfer, plus its sender's lateness, less its earliness (it may have been on its way before the
+exchange began) - it reads the link slower or faster than it is. Packets that arrive much slower
+than packets of their size did after the last re-probe ask for the next one early.
 Rank 0 updates the estimates at each decision, and every rank gets them with the decision, so
 all ranks hold the same.
 """
@@ -156,19 +157,19 @@ def passive_bandwidth(
     burst: int = BURST_BYTES,
 ) -> float | None:
     """Bytes/s of a sender from (bytes, seconds) arrivals of its packets, or None if they say
-    nothing about bandwidth.
+    nothing about bandwidth: what packets that slowed are compared by (Estimates.observe_links).
 
-    Waiting for a late sender only ever adds time, so packets of one size count with their
-    fastest arrival; the latency is taken off. Transfers that took under `significant` seconds
+    Packets of one size count with their fastest arrival (a late sender adds time); the
+    latency is taken off. Transfers that took under `significant` seconds
     in all are latency and scheduling noise, and so are packets that small at the `current`
     estimate however late they came: a small packet's time is its sender's lateness (regions
     run a step apart in a pipeline), not bandwidth, and must not shrink the estimate, or the
     controller would compress ever more. A link that fell while packets are small is found by
-    the next re-probe. Packets all under `burst` bytes cannot raise it either: a token bucket
-    let them through faster than the link's rate. Nor can packets whose time was mostly the
-    latency taken off (more than half what is left): a rate read from the rest rests on the
-    latency's estimate, and with at most that share taken off, a latency that was in fact none
-    makes it read at most 1.5x the link (on the emulated 1000 Mbit/s link without delay, a
+    the next re-probe. Packets all under `burst` bytes read nothing above `current` either: a
+    token bucket let them through faster than the link's rate. Nor do packets whose time was
+    mostly the latency taken off (more than half what is left): a rate read from the rest rests
+    on the latency's estimate, and with at most that share taken off, a latency that was in fact
+    none makes it read at most 1.5x the link (on the emulated 1000 Mbit/s link without delay, a
     1.9 ms estimate off packets of a few milliseconds read 1.6-1.8x).
     """
     fastest: dict[int, float] = {}
@@ -341,11 +342,11 @@ class Estimates:
         whether the links should be re-probed at the next decision.
 
         Only a probe - one flow of a size that shows bandwidth, with nothing else on the link -
-        sets an estimate, and lowers it. A packet's time is its transfer plus its sender's
-        lateness and the round trip, so packets never lower an estimate, which would ask for
-        more compression, smaller packets and a slower-looking link still. They raise it only
-        when one shard owner's packets came faster than the whole link was thought to carry (a
-        region's owners share the link: `shards` of them send at once).
+        sets an estimate (but a link never probed: its packets' rate stands until a probe).
+        A packet's time is its transfer and the one-way latency, plus its sender's lateness,
+        less its earliness (module docstring), so packets neither lower an estimate, which
+        would ask for more compression, smaller packets and a slower-looking link still, nor
+        raise it (a sender early by half its transfer would read the link twice as fast).
 
         A re-probe that reads a link well under its estimate lowers it only once the next
         re-probe (asked for at the next decision) reads it low too (`fall`); re-probes otherwise
@@ -364,13 +365,11 @@ class Estimates:
         for region in range(len(self.bandwidth)):
             samples = interval.arrivals[region] if warm else []
             old = self.bandwidth[region]
-            measured = passive_bandwidth(samples, self.rtt[region], old)
+            measured = passive_bandwidth(samples, self.rtt[region] / 2, old)  # posted ahead
             if measured is None:
                 continue
             if old is None:
                 self.bandwidth[region] = measured
-            elif measured > shards * old:
-                self.bandwidth[region] = smoothed(measured / shards, old, ewma)
             largest, baseline = max(n for n, _ in samples), self.packet_rate[region]
             if baseline is None or not _like_sized(largest, self.packet_bytes[region]):
                 self.packet_rate[region], self.packet_bytes[region] = measured, largest

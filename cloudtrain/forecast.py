@@ -547,7 +547,7 @@ def predict_outer(
 ) -> tuple[float, list[float]]:
     """(step seconds, bytes each region sends across per step) of the outer loop: inner steps
     reduce inside the region; each of the `fragments` syncs once every H steps, in turn, and its
-    exchange (a round trip and the fragment's packet to every other region,
+    exchange (half a round trip and the fragment's packet to every other region,
     outer.fragment_exchange_seconds) stalls but for the `overlap` steps it hides behind, and the
     link carries at most one exchange at a time. Its packets go through zstd unless the config
     says no (`zstd`), which shrinks them by Codecs.zstd_ratio (its CPU, once per H steps, is left

@@ -138,9 +138,10 @@ def outer_zstd(config: CompressionConfig) -> bool:
 
 
 def fragment_exchange_seconds(link: LinkEstimate, nbytes: float, receivers: int) -> float:
-    """One fragment's exchange on a sender's link: a round trip plus its packet to every other
+    """One fragment's exchange on a sender's link: half a round trip (its receives were posted
+    at the last sync: cloudtrain.collectives.ReceivesAhead) plus its packet to every other
     region (the per-step exchange's model is cloudtrain.costs.exchange_seconds)."""
-    return link.rtt + receivers * nbytes / link.bandwidth
+    return link.rtt / 2 + receivers * nbytes / link.bandwidth
 
 
 @dataclass(frozen=True)

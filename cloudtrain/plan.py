@@ -58,11 +58,6 @@ class Plan:
         return bool(self.zstd) and self.zstd[region]
 
     @property
-    def uniform(self) -> bool:
-        """Every sender's packet has the same size, known to all: one all_gather moves them."""
-        return len(set(map(repr, self.senders))) == 1 and not any(self.zstd)
-
-    @property
     def lossless(self) -> bool:
         """Nothing is compressed: the step's gradients cross as one plain all-reduce."""
         return all(name == NONE[0] for name, _ in self.senders)

@@ -25,24 +25,14 @@ def test_same_gives_every_region_the_rung(rung):
     plan = Plan.same(rung, 3, staleness=2)
     assert plan.senders == (rung, rung, rung) and plan.staleness == 2 and plan.zstd == ()
     assert [plan.zstd_for(r) for r in range(3)] == [False, False, False]
-    assert plan.uniform
     zipped = Plan.same(rung, 3, zstd=True)
     assert zipped.zstd == (True, True, True) and zipped.staleness == 0
     assert [zipped.zstd_for(r) for r in range(3)] == [True, True, True]
-    assert not zipped.uniform, "zstd packets' sizes are known only to their senders"
 
 
 def test_zstd_for_is_per_region():
     plan = Plan((("quant", 8), ("quant", 8)), zstd=(False, True))
     assert [plan.zstd_for(r) for r in range(2)] == [False, True]
-    assert not plan.uniform
-
-
-def test_uniform_needs_one_rung_everywhere():
-    assert Plan((("quant", 8), ("quant", 8))).uniform
-    assert not Plan((("quant", 8), ("quant", 4))).uniform
-    assert not Plan((("topk", 0.01), ("quant", 8))).uniform
-    assert Plan((("topk>quant", (0.1, 8)),) * 2).uniform
 
 
 def test_lossless_is_none_everywhere():
