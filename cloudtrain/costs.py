@@ -12,9 +12,10 @@ Per sender region (Kimad's rule, budget = bandwidth x time), with latency before
     transfer of a rung                  bytes / bandwidth + its encode/decode CPU time
                                         + (every rung through the hierarchy) the dense reduction
                                         inside regions
-    time a rung takes                   synchronous: a round trip + transfer (a step's
-                                        exchanges are in flight together);
-                                        pipelined s steps deep: a round trip + transfer
+    time a rung takes                   synchronous: half a round trip + transfer (a
+                                        step's exchanges are in flight together, their
+                                        receives posted ahead);
+                                        pipelined s steps deep: half a round trip + transfer
                                         - s x compute, but never less than the transfer
                                         - (1 - hidden_fraction) x compute (bandwidth is not
                                         hidden by a pipeline)

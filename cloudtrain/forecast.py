@@ -506,7 +506,7 @@ def predict_rungs(
 ) -> tuple[float, list[float]]:
     """(step seconds, bytes each region sends across per step) of per-step CloudDDP sending
     these rungs (codec, level) by region, synchronous: compute, and what of the exchange does
-    not hide in compute - its round trip, its transfer, the codecs' CPU and the dense reduction
+    not hide in compute - half its round trip, its transfer, the codecs' CPU and the dense reduction
     inside the region that its packets need (costs.CostModel.rung_seconds, whose `extra` holds
     the reduction, so that it is counted once). What may hide is the cost model's share of the
     compute (`usable`) less a bucket's: the last bucket's exchange starts when the backward

@@ -399,7 +399,7 @@ class CommState:
         the first step after a resume, DDP's one initial bucket holds all the buckets the saved
         run used, and each is reduced as it was then, so the resumed run repeats its math.
         Synchronous steps start every bucket's exchange as DDP hands it over and finish them all
-        at its last bucket, in order: the step waits for one round trip, not one per bucket.
+        at its last bucket, in order: the step waits for one exchange's latency, not one per bucket.
         Pipelined ones apply the exchanges due now (of step t - s; cloudtrain.pipeline).
         """
         buf = job.buffer

@@ -30,7 +30,7 @@ FSDP's HSDP does with a dense all-reduce across the replicate dimension, per uni
     p.grad = the sum                       -> stays sharded: nothing is gathered
 
 The swaps of all units are in flight together and overlap the rest of backward, so a step waits
-for about one round trip, not one per unit. A unit's shard is exchanged once per gradient sync,
+for about half a round trip (receives posted ahead), not one per unit. A unit's shard is exchanged once per gradient sync,
 after the last backward that reduced it: with accumulation (`set_requires_gradient_sync(False)`,
 or `set_requires_all_reduce(False)`, on the micro-steps) what crosses is the accumulated gradient
 FSDP left in p.grad - never one micro-batch's reduction alone, which is all a hook on FSDP's
