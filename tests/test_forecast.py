@@ -334,7 +334,7 @@ def test_over_gloo_every_step_of_a_ring_across_regions_waits_for_its_crossing_ho
 
 
 def test_per_step_rungs_hide_behind_compute_all_but_the_last_buckets_exchange():
-    """predict_rungs: the exchange (round trip, transfer, codecs' CPU, the dense reduction in
+    """predict_rungs: the exchange (half a round trip, transfer, codecs' CPU, the dense reduction in
     the region) past what hides in compute; the last bucket's starts when the backward ends, so
     a model of one bucket hides none, and a plan that compresses nothing is DDP's ring."""
     from cloudtrain.forecast import predict_rungs
@@ -344,7 +344,8 @@ def test_per_step_rungs_hide_behind_compute_all_but_the_last_buckets_exchange():
     one = Setting(1_000_000, 4, (owner, owner), 2, 0.1, 0.004)  # 4 MB: one 25 MB bucket
     model = one.cost_model([("none", None), ("quant", 4)])
     exchange = model.rung_seconds(owner, 1, 0, plain=False)
-    assert exchange == pytest.approx(0.08 + model.sizes[1] / 6.25e6 + 0.004)
+    # half the round trip: the stream's receive was posted at its last exchange
+    assert exchange == pytest.approx(0.08 / 2 + model.sizes[1] / 6.25e6 + 0.004)
     assert predict_rungs(one, four_bit)[0] == pytest.approx(0.1 + exchange)
     # the codecs' CPU counts where a region compresses
     cpu = dataclasses.replace(one, cpu_s=0.003)
@@ -363,7 +364,7 @@ def test_per_step_rungs_hide_behind_compute_all_but_the_last_buckets_exchange():
 
 def test_streaming_fragments_send_the_same_bytes_and_overlap_hides_their_exchange():
     """Streaming DiLoCo's schedule in the forecast: F fragments sync in turn, each once every H
-    steps (the same bytes a step as one sync of the whole model, F round trips); an exchange
+    steps (the same bytes a step as one sync of the whole model, F half round trips); an exchange
     that overlaps tau steps stalls only what those steps do not hide, and a link that cannot
     carry the F exchanges within H steps sets the pace."""
     from cloudtrain.forecast import predict_outer
@@ -373,10 +374,11 @@ def test_streaming_fragments_send_the_same_bytes_and_overlap_hides_their_exchang
     whole, whole_sent = predict_outer(s, 100, [four_bit] * 2, zstd=False)
     split, split_sent = predict_outer(s, 100, [four_bit] * 2, zstd=False, fragments=4)
     assert split_sent == [pytest.approx(b, rel=1e-3) for b in whole_sent]  # 3 headers more
-    assert split == pytest.approx(whole + 3 * 0.08 / 100, rel=1e-5)  # 3 more round trips in H
+    # 3 more half round trips in H (each fragment's receives were posted at its last sync)
+    assert split == pytest.approx(whole + 3 * 0.08 / 2 / 100, rel=1e-5)
     hidden, hidden_sent = predict_outer(s, 100, [four_bit] * 2, zstd=False, fragments=4, overlap=1)
     assert hidden_sent == split_sent
-    exchange = 0.08 + 2 * 4_000_000 / 4 / 2 * 0.5 / 6.25e6  # a fragment: ~0.24 s, under a step
+    exchange = 0.08 / 2 + 2 * 4_000_000 / 4 / 2 * 0.5 / 6.25e6  # a fragment: ~0.2 s, < a step
     assert exchange < 0.5 and hidden == pytest.approx(0.5)  # all of it behind the next step
     slow = Setting(4_000_000, 4, (LinkEstimate(1e5, 0.08),) * 2, 2, 0.5, 0.0)
     paced, _ = predict_outer(slow, 100, [four_bit] * 2, zstd=False, fragments=4, overlap=1)
