@@ -28,7 +28,6 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -201,35 +200,33 @@ def reduce_scatter_direct(
         out.add_(piece)
 
 
-AHEAD_TAG = 1 << 30
-"""Receives posted ahead carry tags from here up (`stream_tag`): apart from the default tag 0
+STREAM_TAGS = 1 << 30
+"""Packet streams' tags count from here (`ReceivesAhead.stream`): apart from the default tag 0
 and the state transfer's (cloudtrain.transfer), and within gloo's 31 bits."""
-
-
-def stream_tag(*key: Any) -> int:
-    """The tag of one packet stream's messages, from what names it (its packet id and the most
-    bytes one of its packets can have): a stream whose packets may grow is another stream, so
-    no message ever meets a receive posted smaller than itself. Two streams sharing a tag (a
-    CRC collision, about 1e-6 for 50 streams) would still be caught: a packet too long for its
-    receive fails the exchange, one read as another's fails its check (`from_wire`)."""
-    return AHEAD_TAG | (zlib.crc32(repr(key).encode()) & (AHEAD_TAG - 1))
 
 
 class ReceivesAhead:
     """The receives a rank has posted ahead on one group (`of`): per (peer, tag), the receive
-    its next exchange takes (module docstring), and every rung the group's packets were sent at
-    (what the data path sizes its receives for). gloo matches a peer's messages of one tag to
-    the receives posted for them in the order both were made, so each stream's exchanges must
-    come in the same order on every owner, as the data path's do; one per group, whoever issues
-    its exchanges (a data path made again for the same groups goes on with its streams).
-    Receives still posted when the group is given up go with it: nothing waits for them, and
-    destroying a group with receives posted neither hangs nor fails."""
+    its next exchange takes (module docstring); the group's packet streams' tags; and every rung
+    the group's packets were sent at (what the data path sizes its receives for).
 
-    __slots__ = ("__weakref__", "_posted", "rungs")
+    gloo matches a peer's messages of one tag to the receives posted for them in the order both
+    were made, so each stream's exchanges must come in the same order on every owner, as the
+    data path's do, and a stream's tag is its number in the order streams were first used - the
+    same on every owner, and no two streams share one. One per group, whoever issues its
+    exchanges: a data path made again for the same group goes on with its streams (a receive
+    dropped while posted would still take the next packet meant for its stream). So a group an
+    exchange failed on is never used again (cloudtrain.elastic): a step dropped on one side
+    would leave its streams a packet apart. Receives still posted when the group is given up
+    (`drop`) go with it: nothing waits for them, and destroying a group with receives posted
+    neither hangs nor fails."""
+
+    __slots__ = ("_posted", "_tags", "rungs")
     _of: ClassVar[weakref.WeakKeyDictionary[Any, ReceivesAhead]] = weakref.WeakKeyDictionary()
 
     def __init__(self) -> None:
         self._posted: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
+        self._tags: dict[Any, int] = {}
         self.rungs: set[Any] = set()
 
     @classmethod
@@ -238,6 +235,18 @@ class ReceivesAhead:
         if receives is None:
             receives = cls._of[group] = cls()
         return receives
+
+    @classmethod
+    def drop(cls, group: Any) -> None:
+        """`group` is given up (its model closed): its receives and buffers go."""
+        cls._of.pop(group, None)
+
+    def stream(self, key: Any, nbytes: int) -> PacketStream:
+        """The packet stream named by `key` whose packets have at most `nbytes` bytes: a stream
+        whose packets may grow is another stream, so no message meets a receive posted smaller
+        than itself."""
+        tag = self._tags.setdefault((key, nbytes), STREAM_TAGS + len(self._tags))
+        return PacketStream(self, tag, nbytes)
 
     def take(self, group: Any, peer: int, tag: int, nbytes: int) -> tuple[torch.Tensor, Any]:
         """The receive (buffer of `nbytes`, work) for `peer`'s next packet of stream `tag` on
@@ -256,9 +265,10 @@ def _post(group: Any, peer: int, tag: int, nbytes: int) -> tuple[torch.Tensor, A
 
 
 @dataclass(frozen=True)
-class Ahead:
-    """One exchange's packet stream: the group's receives, its tag (`stream_tag`) and the most
-    bytes one of its packets can have (what its receives are posted for)."""
+class PacketStream:
+    """One exchange's packet stream (`ReceivesAhead.stream`): the group's receives, the
+    stream's tag and the most bytes one of its packets can have (what its receives are posted
+    for)."""
 
     receives: ReceivesAhead
     tag: int
@@ -276,28 +286,29 @@ def exchange_sized(
     timings: dict[int, float] | None = None,
     *,
     shorter: bool = False,
-    ahead: Ahead | None = None,
+    stream: PacketStream | None = None,
 ) -> Pending:
     """Owners send packets of different sizes, known to all from the plan: point-to-point.
     `wait()` returns the packets in `peers` order (this rank's own included). A zstd sender's
     size is the most it may send (`shorter`: this rank's packet may be smaller): its packet is
     received into a buffer of `sizes[i]` bytes and must be cut to its own length by whoever reads
     it (`compress.cut`; gloo takes a message shorter than the buffer posted for it, never longer).
-    With `ahead`, the packets travel as that stream's, into the receives posted at its last
-    exchange (module docstring), and the next are posted.
+    With `stream`, the packets travel as that stream's, into the receives posted at its last
+    exchange (module docstring), and the next are posted; without (tests: the exchange gloo
+    makes by itself), the receives are posted now.
 
     With `timings`, records for every peer the seconds from the start until its packet was in
-    (the controller's passive bandwidth estimate).
+    (the controller's check for packets that slowed: cloudtrain.estimates).
     """
     if wire.numel() > sizes[me] or (wire.numel() < sizes[me] and not shorter):
         allowed = f"at most {sizes[me]}" if shorter else f"{sizes[me]}"
         raise CommError(
             f"cloudtrain: own packet is {wire.numel()} bytes, the plan says {allowed}{where}"
         )
-    if ahead is not None and max(sizes) > ahead.nbytes:  # alike on every owner: all raise
+    if stream is not None and max(sizes) > stream.nbytes:  # alike on every owner: all raise
         raise CommError(
             f"cloudtrain: the plan's packets of {list(sizes)} bytes{where} exceed the "
-            f"{ahead.nbytes} bytes their stream's receives were posted for"
+            f"{stream.nbytes} bytes their stream's receives were posted for"
         )
     received = [wire if i == me else torch.empty(0, dtype=torch.uint8) for i in range(len(sizes))]
     stage = "cross-region exchange (point-to-point)"
@@ -307,14 +318,14 @@ def exchange_sized(
         for i, peer in enumerate(peers):
             if i == me:
                 continue
-            if ahead is None:
+            if stream is None:
                 received[i] = torch.empty(sizes[i], dtype=torch.uint8)
                 works.append(dist.isend(wire, dst=peer, group=group))
                 works.append(dist.irecv(received[i], src=peer, group=group))
                 continue
-            buffer, receive = ahead.receives.take(group, peer, ahead.tag, ahead.nbytes)
+            buffer, receive = stream.receives.take(group, peer, stream.tag, stream.nbytes)
             received[i] = buffer[: sizes[i]]
-            works.append(dist.isend(wire, dst=peer, group=group, tag=ahead.tag))
+            works.append(dist.isend(wire, dst=peer, group=group, tag=stream.tag))
             works.append(receive)
         return works
 

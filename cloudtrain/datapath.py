@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import (
-    Ahead,
+    PacketStream,
     Pending,
     ReceivesAhead,
     all_gather_single,
@@ -37,7 +37,6 @@ from .collectives import (
     reduce_scatter_direct,
     reduce_scatter_single,
     run_and_wait,
-    stream_tag,
 )
 from .compress import ErrorFeedback, Expected, RandomKey, cut, from_wire, to_wire, wire_zstd_gain
 from .guard import QualityProbe
@@ -153,7 +152,7 @@ class CrossRegion:
         self.codecs = codecs
         self.ef = ef
         self.stats = stats
-        self.observer = observer  # set: time every packet's arrival (the controller's estimate)
+        self.observer = observer  # set: time every packet's arrival (packets that slowed)
         self.probe = probe  # set: measure how far each packet's update is from the exact one
         self.timeout = config.timeout
 
@@ -355,23 +354,33 @@ class CrossRegion:
             where,
             timings,
             shorter=plan.zstd_for(topo.region),
-            ahead=self._ahead(group, plan, bucket, m, dtype),
+            stream=self._stream(group, plan, bucket, m, dtype),
         )
         zstd = [plan.zstd_for(r) for r in range(len(sizes))]
         if timings is None and not any(zstd):
             return pending
         return _Received(pending, zstd, timings, arrivals)
 
-    def _ahead(self, group: Any, plan: Plan, bucket: int, m: int, dtype: torch.dtype) -> Ahead:
-        """The swap's packet stream (collectives.ReceivesAhead): one per packet id, shape and
-        the most bytes a packet of it can have - the largest at any rung the group's packets
-        were sent at, so a receive posted ahead fits the next packet whatever rung it comes at,
-        unless that rung is new there (it starts a stream of its own). Every owner of the shard
-        sees the same plans at the same swaps, so all name the same stream."""
+    def _stream(
+        self, group: Any, plan: Plan, bucket: int, m: int, dtype: torch.dtype
+    ) -> PacketStream:
+        """The swap's packet stream (collectives.ReceivesAhead): one per packet id, element
+        count, dtype and the most bytes a packet of it can have - the largest at any rung the
+        group's packets were sent at, so a receive posted ahead fits the next packet whatever
+        rung it comes at; a rung whose packet is larger than any before starts a new stream.
+        Every owner of the shard sees the same plans at the same swaps, so all name the same
+        stream."""
         receives = ReceivesAhead.of(group)
         receives.rungs.update(plan.senders)
         nbytes = max(self.codecs.wire_nbytes(rung, m, dtype) for rung in receives.rungs)
-        return Ahead(receives, stream_tag(bucket, m, str(dtype), nbytes), nbytes)
+        return receives.stream((bucket, m, str(dtype)), nbytes)
+
+    def close(self) -> None:
+        """The model is closed: the receives posted ahead on this shard's cross-region group go
+        (collectives.ReceivesAhead.drop)."""
+        group = self.topo.groups.get(f"cross{self.topo.shard}")
+        if group is not None:
+            ReceivesAhead.drop(group)
 
     def accumulate(
         self,

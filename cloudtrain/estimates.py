@@ -20,8 +20,9 @@ read slow, 0.90-1.15x since: cloudtrain.probe). Between re-probes each shard own
 packet it receives. Packets set no estimate: their receives are posted an exchange ahead
 (cloudtrain.collectives.ReceivesAhead), so a packet's time is the one-way latency and its
 transfer, plus its sender's lateness, less its earliness (it may have been on its way before the
-exchange began) - it reads the link slower or faster than it is. Packets that arrive much slower
-than packets of their size did after the last re-probe ask for the next one early.
+exchange began) - it reads the link slower or faster than it is (only a link never probed takes
+its packets' rate). Packets that arrive much slower than packets of their size did after the
+last re-probe ask for the next one early.
 Rank 0 updates the estimates at each decision, and every rank gets them with the decision, so
 all ranks hold the same.
 """
@@ -160,7 +161,9 @@ def passive_bandwidth(
     nothing about bandwidth: what packets that slowed are compared by (Estimates.observe_links).
 
     Packets of one size count with their fastest arrival (a late sender adds time); the
-    latency is taken off. Transfers that took under `significant` seconds
+    latency is taken off, and a size whose fastest took no longer than it counts not at all: it
+    was on its way before the exchange began (its receive was posted ahead), and its time says
+    nothing of the link. Transfers that took under `significant` seconds
     in all are latency and scheduling noise, and so are packets that small at the `current`
     estimate however late they came: a small packet's time is its sender's lateness (regions
     run a step apart in a pipeline), not bandwidth, and must not shrink the estimate, or the
@@ -175,7 +178,8 @@ def passive_bandwidth(
     fastest: dict[int, float] = {}
     for nbytes, seconds in samples:
         fastest[nbytes] = min(seconds, fastest.get(nbytes, math.inf))
-    moving = sum(max(t - latency, 0.0) for t in fastest.values())
+    fastest = {n: t for n, t in fastest.items() if t > latency}
+    moving = sum(t - latency for t in fastest.values())
     expected = sum(fastest) / current if current else math.inf
     if moving < significant or expected < significant:
         return None

@@ -748,3 +748,4 @@ class OuterLoop:
     def close(self) -> None:
         self._handle.remove()
         self._pool.shutdown(wait=False)
+        self.path.close()

@@ -121,7 +121,7 @@ def _record(
         "compute_s": model.compute_time,
         "staleness": staleness,
         "zstd": list(zstd),
-        # packets timed on arrival, by sender region (the passive bandwidth estimate's data)
+        # packets timed on arrival, by sender region (what shows packets that slowed)
         "arrivals": [len(a) for a in interval.arrivals],
         "text": text,
         "guard_notes": notes,

@@ -30,8 +30,8 @@ FSDP's HSDP does with a dense all-reduce across the replicate dimension, per uni
     p.grad = the sum                       -> stays sharded: nothing is gathered
 
 The swaps of all units are in flight together and overlap the rest of backward, so a step waits
-for about half a round trip (receives posted ahead), not one per unit. A unit's shard is exchanged once per gradient sync,
-after the last backward that reduced it: with accumulation (`set_requires_gradient_sync(False)`,
+for about half a round trip (receives posted ahead), not one per unit. A unit's shard is
+exchanged once per gradient sync, after the last backward that reduced it: with accumulation (`set_requires_gradient_sync(False)`,
 or `set_requires_all_reduce(False)`, on the micro-steps) what crosses is the accumulated gradient
 FSDP left in p.grad - never one micro-batch's reduction alone, which is all a hook on FSDP's
 reduction sees (the trap of gating such a hook to the last micro-batch). The plan - codec per
@@ -435,6 +435,8 @@ class ShardedComm(UnitExchange):
             self.controller.close()
         if self.outer is not None:
             self.outer.close()
+        if self.path is not None:
+            self.path.close()
 
 
 # -- the optimizer: built after sharding, found at its first step ---------------------------------

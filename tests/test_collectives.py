@@ -18,7 +18,7 @@ def _exchanges(rank, world):
     import torch.distributed as dist
 
     import cloudtrain
-    from cloudtrain.collectives import Ahead, ReceivesAhead, exchange_sized, stream_tag
+    from cloudtrain.collectives import ReceivesAhead, exchange_sized
 
     cloudtrain.init(timeout_s=30)
     group = dist.new_group([0, 1, 2], backend="gloo")
@@ -31,13 +31,13 @@ def _exchanges(rank, world):
     sized = pending.wait()
     # two streams posted ahead, interleaved, three exchanges each: every packet reaches its own
     receives = ReceivesAhead.of(group)
-    streams = [Ahead(receives, stream_tag(b, 16), 16) for b in (0, 1)]
+    streams = [receives.stream(b, 16) for b in (0, 1)]
     ahead = []
     for step in range(3):
         for b, stream in enumerate(streams):
             wire = torch.full((sizes[me],), 100 * b + 10 * step + rank, dtype=torch.uint8)
             got = exchange_sized(
-                wire, sizes, peers, me, group, timedelta(seconds=30), ahead=stream
+                wire, sizes, peers, me, group, timedelta(seconds=30), stream=stream
             ).wait()
             ahead.append([t.tolist() for t in got])
     return [t.tolist() for t in sized], sorted(timings), ahead
@@ -94,17 +94,17 @@ def _send_before_the_receiver_arrives(rank, world, posted_ahead):
     import torch.distributed as dist
 
     import cloudtrain
-    from cloudtrain.collectives import Ahead, ReceivesAhead, exchange_sized, stream_tag
+    from cloudtrain.collectives import ReceivesAhead, exchange_sized
 
     cloudtrain.init(timeout_s=30)
     group = dist.new_group([0, 1], backend="gloo")
-    stream = Ahead(ReceivesAhead.of(group), stream_tag(0, 8), 8) if posted_ahead else None
+    stream = ReceivesAhead.of(group).stream(0, 8) if posted_ahead else None
     store = dist.distributed_c10d._get_default_store()
     wire = torch.full((8,), rank, dtype=torch.uint8)
     timeout = timedelta(seconds=30)
-    exchange_sized(wire, [8, 8], (0, 1), rank, group, timeout, ahead=stream).wait()
+    exchange_sized(wire, [8, 8], (0, 1), rank, group, timeout, stream=stream).wait()
     if rank == 1:  # says when its second packet has left (gloo's send is complete)
-        pending = exchange_sized(wire, [8, 8], (0, 1), 1, group, timeout, ahead=stream)
+        pending = exchange_sized(wire, [8, 8], (0, 1), 1, group, timeout, stream=stream)
         send = pending.works.pop(0)  # waited for here alone: gloo counts each wait's completion
 
         def left() -> None:
@@ -121,7 +121,7 @@ def _send_before_the_receiver_arrives(rank, world, posted_ahead):
         early = True
     except RuntimeError:
         early = False
-    exchange_sized(wire, [8, 8], (0, 1), 0, group, timeout, ahead=stream).wait()
+    exchange_sized(wire, [8, 8], (0, 1), 0, group, timeout, stream=stream).wait()
     return early
 
 
@@ -139,14 +139,14 @@ def _too_large_for_the_stream(rank, world):
     import torch.distributed as dist
 
     import cloudtrain
-    from cloudtrain.collectives import Ahead, CommError, ReceivesAhead, exchange_sized, stream_tag
+    from cloudtrain.collectives import CommError, ReceivesAhead, exchange_sized
 
     cloudtrain.init(timeout_s=30)
     group = dist.new_group([0, 1], backend="gloo")
-    stream = Ahead(ReceivesAhead.of(group), stream_tag(0, 8), 8)
+    stream = ReceivesAhead.of(group).stream(0, 8)
     wire = torch.zeros(9, dtype=torch.uint8)
     try:
-        exchange_sized(wire, [9, 9], (0, 1), rank, group, timedelta(seconds=5), ahead=stream)
+        exchange_sized(wire, [9, 9], (0, 1), rank, group, timedelta(seconds=5), stream=stream)
     except CommError as e:
         return str(e)
     return None
@@ -161,20 +161,20 @@ def _peer_dies(rank, world):
     import torch.distributed as dist
 
     import cloudtrain
-    from cloudtrain.collectives import Ahead, CommError, ReceivesAhead, exchange_sized, stream_tag
+    from cloudtrain.collectives import CommError, ReceivesAhead, exchange_sized
 
     cloudtrain.init(timeout_s=6)
     group = dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=6))
-    stream = Ahead(ReceivesAhead.of(group), stream_tag(0, 4), 4)
+    stream = ReceivesAhead.of(group).stream(0, 4)
     wire = torch.zeros(4, dtype=torch.uint8)
     timeout = timedelta(seconds=6)
-    exchange_sized(wire, [4, 4], (0, 1), rank, group, timeout, ahead=stream).wait()  # both alive
+    exchange_sized(wire, [4, 4], (0, 1), rank, group, timeout, stream=stream).wait()  # both alive
     if rank == 1:
         os._exit(1)
     t0 = time.monotonic()
     try:
         where = " at step 3, bucket 0"
-        pending = exchange_sized(wire, [4, 4], (0, 1), 0, group, timeout, where, ahead=stream)
+        pending = exchange_sized(wire, [4, 4], (0, 1), 0, group, timeout, where, stream=stream)
         pending.wait()
     except CommError as e:
         return str(e), time.monotonic() - t0

@@ -294,6 +294,11 @@ def test_passive_bandwidth_ignores_waiting_and_tiny_packets():
     samples = [(1_000_000, 0.080), (1_000_000, 0.150), (1_000_000, 0.081), (500_000, 0.040)]
     bw = passive_bandwidth(samples, latency=0.0)
     assert bw == pytest.approx(1_500_000 / 0.120)
+    # a size whose fastest came within the latency was on its way before the exchange began
+    # (its receive was posted ahead): it counts not at all, however many bytes it had
+    early = [(4_000_000, 0.03), (2_000_000, 0.2)]
+    assert passive_bandwidth(early, latency=0.04) == pytest.approx(2_000_000 / 0.16)
+    assert passive_bandwidth(early[:1], latency=0.04) is None
     # tiny packets: the time is latency and noise, not bandwidth
     assert passive_bandwidth([(1_000, 0.0011)] * 5, latency=0.001) is None
     assert passive_bandwidth([], latency=0.0) is None
