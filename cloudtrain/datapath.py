@@ -327,15 +327,15 @@ class CrossRegion:
         wire: torch.Tensor,
         plan: Plan,
         bucket: int,
-        shape: tuple[int, torch.dtype],
+        shard: tuple[int, torch.dtype],
         where: str,
         arrivals: dict[int, tuple[int, float]],
     ) -> Pending:
-        """Issue the swap of this shard's packets (packet id `bucket`, of `shape`'s elements and
+        """Issue the swap of this shard's packets (packet id `bucket`; `shard`: its elements and
         dtype) with the other regions' owners; wait() gives every region's packet in region
         order (this rank's own included). With an observer, `arrivals` gets (bytes, seconds
         until it arrived) per sender region."""
-        m, dtype = shape
+        m, dtype = shard
         topo = self.topo
         peers = topo.shard_owners(topo.shard)
         group = topo.group(f"cross{topo.shard}")
