@@ -217,9 +217,11 @@ class ReceivesAhead:
     exchanges: a data path made again for the same group goes on with its streams (a receive
     dropped while posted would still take the next packet meant for its stream). So a group an
     exchange failed on is never used again (cloudtrain.elastic): a step dropped on one side
-    would leave its streams a packet apart. Receives still posted when the group is given up
-    (`drop`) go with it: nothing waits for them, and destroying a group with receives posted
-    neither hangs nor fails."""
+    would leave its streams a packet apart. For the same reason they are kept while the group
+    lives, past the model that posted them: models made one after another on one process's
+    groups go on with its streams, where receives dropped while posted would take the next
+    model's packets. Receives still posted when the group is destroyed go with it: nothing waits
+    for them, and destroying a group with receives posted neither hangs nor fails."""
 
     __slots__ = ("_posted", "_tags", "rungs")
     _of: ClassVar[weakref.WeakKeyDictionary[Any, ReceivesAhead]] = weakref.WeakKeyDictionary()
@@ -235,11 +237,6 @@ class ReceivesAhead:
         if receives is None:
             receives = cls._of[group] = cls()
         return receives
-
-    @classmethod
-    def drop(cls, group: Any) -> None:
-        """`group` is given up (its model closed): its receives and buffers go."""
-        cls._of.pop(group, None)
 
     def stream(self, key: Any, nbytes: int) -> PacketStream:
         """The packet stream named by `key` whose packets have at most `nbytes` bytes: a stream

@@ -375,13 +375,6 @@ class CrossRegion:
         nbytes = max(self.codecs.wire_nbytes(rung, m, dtype) for rung in receives.rungs)
         return receives.stream((bucket, m, str(dtype)), nbytes)
 
-    def close(self) -> None:
-        """The model is closed: the receives posted ahead on this shard's cross-region group go
-        (collectives.ReceivesAhead.drop)."""
-        group = self.topo.groups.get(f"cross{self.topo.shard}")
-        if group is not None:
-            ReceivesAhead.drop(group)
-
     def accumulate(
         self,
         wires: list[torch.Tensor],

@@ -600,7 +600,6 @@ class CommState:
         self._thread.close()
         if self.controller is not None:
             self.controller.close()
-        self.path.close()
 
     # -- checks and state -----------------------------------------------------------------------
     def verify_replicas(self) -> None:

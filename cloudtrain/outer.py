@@ -748,4 +748,3 @@ class OuterLoop:
     def close(self) -> None:
         self._handle.remove()
         self._pool.shutdown(wait=False)
-        self.path.close()

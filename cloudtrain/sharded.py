@@ -435,8 +435,6 @@ class ShardedComm(UnitExchange):
             self.controller.close()
         if self.outer is not None:
             self.outer.close()
-        if self.path is not None:
-            self.path.close()
 
 
 # -- the optimizer: built after sharding, found at its first step ---------------------------------
