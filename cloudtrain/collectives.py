@@ -316,13 +316,12 @@ def exchange_sized(
             if i == me:
                 continue
             if stream is None:
-                received[i] = torch.empty(sizes[i], dtype=torch.uint8)
-                works.append(dist.isend(wire, dst=peer, group=group))
-                works.append(dist.irecv(received[i], src=peer, group=group))
-                continue
-            buffer, receive = stream.receives.take(group, peer, stream.tag, stream.nbytes)
+                tag, (buffer, receive) = 0, _post(group, peer, 0, sizes[i])
+            else:
+                tag = stream.tag
+                buffer, receive = stream.receives.take(group, peer, tag, stream.nbytes)
             received[i] = buffer[: sizes[i]]
-            works.append(dist.isend(wire, dst=peer, group=group, tag=stream.tag))
+            works.append(dist.isend(wire, dst=peer, group=group, tag=tag))
             works.append(receive)
         return works
 
