@@ -245,6 +245,11 @@ class ReceivesAhead:
         tag = self._tags.setdefault((key, nbytes), STREAM_TAGS + len(self._tags))
         return PacketStream(self, tag, nbytes)
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers of the receives posted ahead: memory the group's streams hold between
+        exchanges (cloudtrain.tools.memory counts it as cloudtrain's state)."""
+        return [buffer for buffer, _ in self._posted.values()]
+
     def take(self, group: Any, peer: int, tag: int, nbytes: int) -> tuple[torch.Tensor, Any]:
         """The receive (buffer of `nbytes`, work) for `peer`'s next packet of stream `tag` on
         `group`: the one posted at the stream's last exchange, or one posted now; the next is

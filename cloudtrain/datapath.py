@@ -361,6 +361,12 @@ class CrossRegion:
             return pending
         return _Received(pending, zstd, timings, arrivals)
 
+    def receive_buffers(self) -> list[torch.Tensor]:
+        """The buffers of the receives posted ahead on this rank's group across regions (held
+        while the group lives: collectives.ReceivesAhead); none before its first swap."""
+        group = self.topo.groups.get(f"cross{self.topo.shard}")
+        return [] if group is None else ReceivesAhead.of(group).buffers()
+
     def _stream(
         self, group: Any, plan: Plan, bucket: int, m: int, dtype: torch.dtype
     ) -> PacketStream:

@@ -40,7 +40,8 @@ def _exchanges(rank, world):
                 wire, sizes, peers, me, group, timedelta(seconds=30), stream=stream
             ).wait()
             ahead.append([t.tolist() for t in got])
-    return [t.tolist() for t in sized], sorted(timings), ahead
+    held = sorted(b.numel() for b in receives.buffers())  # the next exchange's, posted
+    return [t.tolist() for t in sized], sorted(timings), ahead, held
 
 
 def _reduce_scatter(rank, world, dtype):
@@ -76,7 +77,7 @@ def test_reduce_scatter_direct_sums_each_slice_in_member_order(dtype):
 
 
 def test_exchanges_give_every_region_its_packet_in_region_order():
-    for rank, (sized, timed, ahead) in enumerate(run_ranks(3, _exchanges)):
+    for rank, (sized, timed, ahead, held) in enumerate(run_ranks(3, _exchanges)):
         assert sized == [[12] * 3, [10] * 7, [11] * 11]
         me = (2, 0, 1).index(rank)
         assert timed == sorted(i for i in range(3) if i != me)  # every other sender timed
@@ -86,6 +87,7 @@ def test_exchanges_give_every_region_its_packet_in_region_order():
             for b in range(2)
         ]
         assert ahead == expected
+        assert held == [16] * 4  # a receive per stream and peer, its stream's size, posted ahead
 
 
 def _send_before_the_receiver_arrives(rank, world, posted_ahead):

@@ -15,11 +15,12 @@ CloudDDP 16 N bytes (+ 4 N / k of residuals per step; + 12 N of outer copy, mome
 residuals with the outer loop), sharded all of it / k.
 
 `wrapper` is a CloudDDP or a ShardedComm (cloudtrain.sharded): its state is the error-feedback
-residuals, the pipeline's sums in flight and, with an outer loop, the outer copy, its momentum,
-the outer residuals and the fragments in flight. Each storage is counted once, whole (FSDP's
-padded shards and its flat gradient buffers as they are allocated). Not counted: DDP's gradient
-buckets (CloudDDP keeps them as DDP does: as much again as the gradients), activations, and the
-buffers one exchange uses while it runs - `peak_rss_bytes` has everything, with the process's
+residuals, the pipeline's sums in flight, the receives posted ahead for the next exchange across
+regions (cloudtrain.collectives.ReceivesAhead) and, with an outer loop, the outer copy, its
+momentum, the outer residuals and the fragments in flight. Each storage is counted once, whole
+(FSDP's padded shards and its flat gradient buffers as they are allocated). Not counted: DDP's
+gradient buckets (CloudDDP keeps them as DDP does: as much again as the gradients), activations,
+and the other buffers one exchange uses while it runs - `peak_rss_bytes` has everything, with the process's
 fixed cost (the Python runtime and torch's libraries, a few hundred MB) on top.
 """
 
@@ -74,11 +75,14 @@ def cloudtrain_tensors(wrapper: Any) -> list[torch.Tensor]:
     if not hasattr(comm, "pipeline"):  # not cloudtrain's (DDP, torch's own fully_shard): none
         return out
     path = getattr(comm, "path", None)
-    if path is not None and path.ef is not None:
-        out += list(path.ef.residuals.values())
+    if path is not None:
+        if path.ef is not None:
+            out += list(path.ef.residuals.values())
+        out += path.receive_buffers()
     out += [f.values for f in comm.pipeline.flights if f.values is not None]
     outer = getattr(wrapper, "outer", None)
     if outer is not None:
+        out += outer.path.receive_buffers()
         out += list(outer.global_)
         out += [m for m in outer.momentum if m is not None]
         if outer.ef is not None:
