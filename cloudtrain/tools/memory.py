@@ -20,8 +20,8 @@ regions (cloudtrain.collectives.ReceivesAhead) and, with an outer loop, the oute
 momentum, the outer residuals and the fragments in flight. Each storage is counted once, whole
 (FSDP's padded shards and its flat gradient buffers as they are allocated). Not counted: DDP's
 gradient buckets (CloudDDP keeps them as DDP does: as much again as the gradients), activations,
-and the other buffers one exchange uses while it runs - `peak_rss_bytes` has everything, with the process's
-fixed cost (the Python runtime and torch's libraries, a few hundred MB) on top.
+and the other buffers one exchange uses while it runs - `peak_rss_bytes` has everything, with the
+process's fixed cost (the Python runtime and torch's libraries, a few hundred MB) on top.
 """
 
 from __future__ import annotations
